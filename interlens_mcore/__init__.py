@@ -1,0 +1,1 @@
+"""interlens_mcore: multi-turn, multi-party colocated rollouts for GRPO."""

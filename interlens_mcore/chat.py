@@ -1,0 +1,75 @@
+"""Rendering messages into token ids through a tokenizer's chat template, once per message."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+_PROBE = "\x00probe\x00"
+
+
+@dataclass
+class ChatFormat:
+    """Splits a chat template into per-message pieces so a view can grow by appending.
+
+    Every non-sampled message is rendered on its own (`message_ids`); a policy turn is
+    `generation_prompt_ids` + sampled ids + `close_ids(finish_reason)`. Rendering a message once
+    and never again is what keeps the training sequence equal to what the engine saw.
+    """
+
+    tokenizer: Any  # a transformers tokenizer with a chat template
+    _cache: dict[str, list[int]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("ChatFormat needs a tokenizer with a chat_template")
+        if self.tokenizer.eos_token_id is None:
+            raise ValueError("ChatFormat needs a tokenizer with an eos_token (end of turn)")
+        one = [{"role": "user", "content": _PROBE}]
+        plain = self._render(one, add_generation_prompt=False)
+        with_prompt = self._render(one, add_generation_prompt=True)
+        if not with_prompt.startswith(plain):
+            raise ValueError("chat template: the generation prompt must extend the rendering")
+        self._gen_prompt_text = with_prompt[len(plain) :]
+        assistant = self._render([{"role": "assistant", "content": _PROBE}], False)
+        self._assistant_tail = assistant[assistant.index(_PROBE) + len(_PROBE) :]
+        eos = self.tokenizer.eos_token
+        if not self._assistant_tail.startswith(eos):
+            raise ValueError(
+                f"chat template: an assistant message must end with the eos token {eos!r}"
+            )
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def message_ids(self, role: str, content: str) -> list[int]:
+        """Token ids of one message rendered on its own."""
+        return self.encode(self._render([{"role": role, "content": content}], False))
+
+    def generation_prompt_ids(self) -> list[int]:
+        """Ids that open an assistant turn (e.g. `<|im_start|>assistant\\n`)."""
+        if "gen" not in self._cache:
+            self._cache["gen"] = self.encode(self._gen_prompt_text)
+        return list(self._cache["gen"])
+
+    def close_ids(self, finish_reason: str | None) -> list[int]:
+        """Ids the template puts after a sampled turn: after eos if it stopped, else eos too."""
+        key = "close_stop" if finish_reason == "stop" else "close_length"
+        if key not in self._cache:
+            tail = self._assistant_tail
+            if finish_reason == "stop":
+                tail = tail[len(self.tokenizer.eos_token) :]
+            self._cache[key] = self.encode(tail)
+        return list(self._cache[key])
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return (int(self.tokenizer.eos_token_id),)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -1,0 +1,26 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="interlens_mcore",
+    version="0.1.0",
+    description="Multi-turn, multi-party colocated rollouts for GRPO on Megatron-core and torch.distributed",
+    packages=find_packages(include=["interlens_mcore", "interlens_mcore.*", "trainers", "trainers.*"]),
+    python_requires=">=3.10",
+    # a range the CPU build already on disk satisfies, so an installed torch is kept as it is
+    install_requires=[
+        "torch>=2.4,<2.14",
+        "transformers>=4.56,<6",
+        "tokenizers>=0.21",
+        "safetensors",
+        "numpy",
+        "pyyaml",
+        "tqdm",
+        "matplotlib",
+    ],
+    extras_require={
+        "megatron": ["megatron-core==0.16.1"],
+        "deepspeed": ["deepspeed>=0.19,<0.20"],
+        "test": ["pytest>=8", "hypothesis>=6", "ruff"],
+        "all": ["megatron-core==0.16.1", "deepspeed>=0.19,<0.20", "pytest>=8", "hypothesis>=6", "ruff"],
+    },
+)
