@@ -35,9 +35,7 @@ class ChatFormat:
         self._assistant_tail = assistant[assistant.index(_PROBE) + len(_PROBE) :]
         eos = self.tokenizer.eos_token
         if not self._assistant_tail.startswith(eos):
-            raise ValueError(
-                f"chat template: an assistant message must end with the eos token {eos!r}"
-            )
+            raise ValueError(f"chat template: an assistant message must end with the eos token {eos!r}")
 
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(

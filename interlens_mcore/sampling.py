@@ -43,9 +43,7 @@ def mix_seed(*parts: int) -> int:
     return int(z) & ((1 << 63) - 1)
 
 
-def gumbel_noise(
-    seeds: torch.Tensor, steps: torch.Tensor, vocab_start: int, vocab_end: int
-) -> torch.Tensor:
+def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_start: int, vocab_end: int) -> torch.Tensor:
     """Gumbel(0, 1) noise [B, vocab_end - vocab_start] for rows with `seeds` [B] at `steps` [B]."""
     row = splitmix64(seeds.to(torch.int64) ^ splitmix64(steps.to(torch.int64)))  # [B]
     vocab = torch.arange(vocab_start, vocab_end, dtype=torch.int64)  # [V]

@@ -76,8 +76,7 @@ class Trajectory:
         for span in self.turns:
             if span.end > len(self.token_ids):
                 raise ValueError(
-                    f"Trajectory turn span [{span.start}, {span.end}) exceeds "
-                    f"{len(self.token_ids)} tokens"
+                    f"Trajectory turn span [{span.start}, {span.end}) exceeds {len(self.token_ids)} tokens"
                 )
 
     @property
@@ -87,9 +86,7 @@ class Trajectory:
     @property
     def logprobs_complete(self) -> bool:
         """True when IS correction can use this sample: one finite logprob per trained token."""
-        return self.rollout_logprobs is not None and len(self.rollout_logprobs) == sum(
-            self.loss_mask
-        )
+        return self.rollout_logprobs is not None and len(self.rollout_logprobs) == sum(self.loss_mask)
 
 
 def validate_tokens(
@@ -113,9 +110,7 @@ def validate_tokens(
             raise ValueError(f"{where}: rollout_logprobs must be finite, got {nonfinite[0]!r}")
 
 
-def complete_or_none(
-    logprobs: list[float] | None, loss_mask: list[int]
-) -> tuple[list[float] | None, bool]:
+def complete_or_none(logprobs: list[float] | None, loss_mask: list[int]) -> tuple[list[float] | None, bool]:
     """The completeness rule: keep logprobs only if there is one per loss-mask-1 token."""
     if logprobs is not None and len(logprobs) == sum(loss_mask):
         return logprobs, True

@@ -1,0 +1,27 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+@pytest.fixture(scope="session")
+def tiny_path(tmp_path_factory):
+    """Folder of the tiny Qwen2 model + tokenizer, built once per session."""
+    from interlens_mcore.assets import ensure_tiny_model
+
+    base = os.environ.get("INTERLENS_ASSETS")
+    path = Path(base) / "tiny-qwen2" if base else tmp_path_factory.mktemp("assets") / "tiny-qwen2"
+    return ensure_tiny_model(path)
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_path):
+    """(model, tokenizer) loaded through from_pretrained."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(tiny_path), AutoTokenizer.from_pretrained(tiny_path)

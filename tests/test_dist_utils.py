@@ -1,0 +1,33 @@
+import time
+
+import pytest
+from dist_utils import run_ranks
+
+
+def _sum_ranks(rank, world):
+    import torch
+
+    from interlens_mcore import parallel
+
+    t = torch.tensor([float(rank + 1)])
+    parallel.all_reduce(t)
+    return float(t), parallel.all_gather_object(rank)
+
+
+def _hang_on_rank1(rank, world):
+    import torch.distributed as dist
+
+    if rank == 1:
+        time.sleep(600)
+    dist.barrier()
+
+
+def test_two_ranks_reduce_and_gather():
+    assert run_ranks(_sum_ranks, 2) == [(3.0, [0, 1]), (3.0, [0, 1])]
+
+
+def test_hang_is_a_failure():
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        run_ranks(_hang_on_rank1, 2, timeout=8)
+    assert time.monotonic() - t0 < 30
