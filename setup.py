@@ -9,7 +9,7 @@ setup(
     # a range the CPU build already on disk satisfies, so an installed torch is kept as it is
     install_requires=[
         "torch>=2.4,<2.14",
-        "transformers>=4.56,<6",
+        "transformers>=5.24,<6",
         "tokenizers>=0.21",
         "safetensors",
         "numpy",

@@ -1,0 +1,203 @@
+"""The engine protocol and a colocated Hugging Face engine.
+
+An engine turns rows of prompt ids into sampled continuations. Every row carries its own
+sampling settings, token cap and seed, so the tokens a row gets depend only on that row:
+never on its batch, its wave or its neighbours.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from .sampling import sample_full_vocab
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How a participant samples. temperature 0 means greedy."""
+
+    temperature: float = 1.0
+    max_new_tokens: int = 64
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationRequest:
+    """One row of a generate call."""
+
+    prompt_ids: Sequence[int]
+    max_new_tokens: int
+    temperature: float = 1.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    tag: str = ""  # names the row in errors (e.g. the conversation id)
+
+    def __post_init__(self) -> None:
+        if len(self.prompt_ids) == 0:
+            raise ValueError(f"GenerationRequest {self.tag!r}: prompt_ids is empty")
+        if self.max_new_tokens < 0:
+            raise ValueError(
+                f"GenerationRequest {self.tag!r}: max_new_tokens must be >= 0, got {self.max_new_tokens}"
+            )
+
+
+@dataclass(kw_only=True)
+class Generation:
+    """What one row produced."""
+
+    token_ids: list[int]  # sampled ids, verbatim, including a final stop token if one came
+    logprobs: list[float]  # logprob of each sampled id under the temperature-scaled distribution
+    finish_reason: str  # "stop" (a stop token was sampled) or "length" (the cap was reached)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """Anything that generates rows. `name` identifies the model for schedule signatures.
+
+    Example (a fake that always answers token 7 once)::
+
+        class Seven:
+            name = "seven"
+            max_context = 4096
+            def generate(self, requests):
+                return [Generation(token_ids=[7], logprobs=[0.0], finish_reason="length")
+                        for _ in requests]
+    """
+
+    name: str
+    max_context: int
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]: ...
+
+
+def check_context(requests: Sequence[GenerationRequest], max_context: int) -> list[int]:
+    """Per-row token caps that keep prompt + new tokens inside the context; errors name the row."""
+    caps = []
+    for r in requests:
+        if len(r.prompt_ids) >= max_context:
+            raise ValueError(
+                f"request {r.tag!r}: prompt of {len(r.prompt_ids)} tokens does not fit the "
+                f"engine's context of {max_context} tokens"
+            )
+        caps.append(min(r.max_new_tokens, max_context - len(r.prompt_ids)))
+    return caps
+
+
+@dataclass
+class EngineStats:
+    """Time spent inside model forwards, for engine-time fractions in benchmarks."""
+
+    forward_s: float = 0.0
+    forwards: int = 0
+    generated_tokens: int = 0
+
+    def reset(self) -> None:
+        self.forward_s, self.forwards, self.generated_tokens = 0.0, 0, 0
+
+
+@dataclass
+class HFEngine:
+    """Generation with the `transformers` model being trained: left-padded batches, KV cache.
+
+    The model is put in eval mode for the call and restored afterwards; no gradient is kept.
+    """
+
+    model: torch.nn.Module
+    tokenizer: object
+    name: str = "policy"
+    max_context: int = 0  # 0: the model's max_position_embeddings
+    stats: EngineStats = field(default_factory=EngineStats)
+
+    def __post_init__(self) -> None:
+        if not self.max_context:
+            self.max_context = int(self.model.config.max_position_embeddings)
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
+
+    def _forward(self, **kwargs):
+        t0 = time.perf_counter()
+        out = self.model(**kwargs, use_cache=True)
+        self.stats.forward_s += time.perf_counter() - t0
+        self.stats.forwards += 1
+        return out
+
+    @torch.inference_mode()
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
+        if not requests:
+            return []
+        caps = check_context(requests, self.max_context)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            return self._generate(requests, caps)
+        finally:
+            self.model.train(was_training)
+
+    def _generate(self, requests: Sequence[GenerationRequest], caps: list[int]) -> list[Generation]:
+        from transformers import DynamicCache
+
+        device = next(self.model.parameters()).device
+        b = len(requests)
+        lens = [len(r.prompt_ids) for r in requests]
+        width = max(lens)
+        ids = torch.full((b, width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((b, width), dtype=torch.long)
+        for i, r in enumerate(requests):  # left padding: every row's last prompt token aligns
+            ids[i, width - lens[i] :] = torch.as_tensor(list(r.prompt_ids), dtype=torch.long)
+            mask[i, width - lens[i] :] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, T] each row starts at 0
+        temps = torch.tensor([r.temperature for r in requests], dtype=torch.float32)
+        seeds = torch.tensor([r.seed for r in requests], dtype=torch.int64)
+        stops = [set(r.stop_token_ids) for r in requests]
+        cap_t = torch.tensor(caps)
+
+        out_ids: list[list[int]] = [[] for _ in range(b)]
+        out_lp: list[list[float]] = [[] for _ in range(b)]
+        reasons = ["length"] * b
+        active = torch.tensor([c > 0 for c in caps])
+        cache = DynamicCache()
+        logits = self._forward(
+            input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache
+        ).logits[:, -1]  # [B, V]
+        next_pos = positions[:, -1] + 1  # [B]
+        step = 0
+        while bool(active.any()):
+            tokens, logp = sample_full_vocab(
+                logits.float().cpu(), temps, seeds, torch.full((b,), step, dtype=torch.int64)
+            )
+            tok_list, lp_list = tokens.tolist(), logp.tolist()
+            for i in torch.nonzero(active).flatten().tolist():
+                out_ids[i].append(tok_list[i])
+                out_lp[i].append(lp_list[i])
+                if tok_list[i] in stops[i]:
+                    reasons[i] = "stop"
+                    active[i] = False
+            step += 1
+            active &= cap_t > step
+            if not bool(active.any()):
+                break
+            # finished rows keep decoding a pad token, masked out, so shapes stay aligned
+            feed = torch.where(active, tokens, torch.full_like(tokens, self.pad_id))
+            mask = torch.cat([mask, active.to(mask.dtype)[:, None].to(device)], dim=1)
+            logits = self._forward(
+                input_ids=feed[:, None].to(device),
+                attention_mask=mask,
+                position_ids=next_pos[:, None],
+                cache=cache,
+            ).logits[:, -1]
+            next_pos = next_pos + 1
+        self.stats.generated_tokens += sum(len(x) for x in out_ids)
+        return [
+            Generation(token_ids=out_ids[i], logprobs=out_lp[i], finish_reason=reasons[i]) for i in range(b)
+        ]
