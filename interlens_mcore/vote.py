@@ -1,0 +1,65 @@
+"""The termination vote: before every round each rank says whether it still has work and
+whether it failed. Everyone keeps calling the (collective) engine while anyone has work, and
+one rank's failure becomes the same `RolloutError` on every rank instead of a hang.
+
+A `gather_fn` follows accelerate's `gather_object` convention: each rank passes a list and
+gets the concatenation over ranks, in rank order. `local_gather` is the one-process identity;
+`parallel.make_gather_fn` builds the distributed one.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+GatherFn = Callable[[list[Any]], list[Any]]
+
+
+class RolloutError(RuntimeError):
+    """A rank of the rollout group failed; raised on every rank of the group alike."""
+
+    def __init__(self, failures: list[tuple[int, str]]):
+        self.failures = failures
+        lines = "; ".join(f"rank {r}: {msg}" for r, msg in failures)
+        super().__init__(f"rollout failed on {len(failures)} rank(s): {lines}")
+
+
+def local_gather(items: list[Any]) -> list[Any]:
+    """The single-process gather_fn."""
+    return list(items)
+
+
+@dataclass
+class Ballot:
+    """One rank's vote for one round."""
+
+    rank: int
+    active: bool
+    error: str | None = None  # "ExceptionType: message" of a local failure
+    payload: dict[str, Any] = field(default_factory=dict)  # e.g. engine calls needed this round
+
+
+def describe(exc: BaseException) -> str:
+    """Short, picklable description of an exception, with its innermost frame."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+def cast_vote(
+    gather_fn: GatherFn,
+    *,
+    rank: int,
+    active: bool,
+    error: BaseException | None = None,
+    payload: dict[str, Any] | None = None,
+) -> list[Ballot]:
+    """Gather every rank's ballot; raise the same RolloutError everywhere if any rank failed."""
+    mine = Ballot(rank, active, describe(error) if error is not None else None, payload or {})
+    ballots = gather_fn([mine])
+    failures = [(b.rank, b.error) for b in ballots if b.error is not None]
+    if failures:
+        raise RolloutError(failures) from error
+    return ballots
