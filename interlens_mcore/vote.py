@@ -26,6 +26,10 @@ class RolloutError(RuntimeError):
         super().__init__(f"rollout failed on {len(failures)} rank(s): {lines}")
 
 
+class RolloutValueError(RolloutError, ValueError):
+    """Bad input on some rank: still a RolloutError everywhere, and a ValueError too."""
+
+
 def local_gather(items: list[Any]) -> list[Any]:
     """The single-process gather_fn."""
     return list(items)
@@ -38,6 +42,7 @@ class Ballot:
     rank: int
     active: bool
     error: str | None = None  # "ExceptionType: message" of a local failure
+    bad_input: bool = False  # the failure was a ValueError (a user's bad input)
     payload: dict[str, Any] = field(default_factory=dict)  # e.g. engine calls needed this round
 
 
@@ -57,9 +62,16 @@ def cast_vote(
     payload: dict[str, Any] | None = None,
 ) -> list[Ballot]:
     """Gather every rank's ballot; raise the same RolloutError everywhere if any rank failed."""
-    mine = Ballot(rank, active, describe(error) if error is not None else None, payload or {})
+    mine = Ballot(
+        rank,
+        active,
+        describe(error) if error is not None else None,
+        isinstance(error, ValueError),
+        payload or {},
+    )
     ballots = gather_fn([mine])
-    failures = [(b.rank, b.error) for b in ballots if b.error is not None]
-    if failures:
-        raise RolloutError(failures) from error
+    failed = [b for b in ballots if b.error is not None]
+    if failed:
+        cls = RolloutValueError if all(b.bad_input for b in failed) else RolloutError
+        raise cls([(b.rank, b.error) for b in failed]) from error
     return ballots
