@@ -6,10 +6,14 @@ group has one rank or torch.distributed is not initialised.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from .vote import local_gather
 
 
 def is_initialized() -> bool:
@@ -50,4 +54,160 @@ def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
         return [obj]
     out: list[Any] = [None] * world_size(group)
     dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+class _SumForwardCopyBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: Any) -> torch.Tensor:
+        out = tensor.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def all_reduce_replicated(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Sum over the group, with an identity backward.
+
+    For partial sums whose result feeds a loss that every rank of the group computes
+    identically (vocab-parallel logprobs under TP): each rank then owns the same upstream
+    gradient, so summing it again in backward (as `all_reduce_autograd` does) would scale the
+    shard gradients by the group size. Same contract as megatron's
+    `reduce_from_tensor_model_parallel_region`, but for any group.
+    """
+    if world_size(group) == 1:
+        return tensor
+    return _SumForwardCopyBackward.apply(tensor, group)
+
+
+def all_gather_tensor(tensor: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
+    """Every rank's `tensor` (same shape on all ranks), in group-rank order; no autograd."""
+    if world_size(group) == 1:
+        return [tensor]
+    out = [torch.empty_like(tensor) for _ in range(world_size(group))]
+    dist.all_gather(out, tensor.contiguous(), group=group)
+    return out
+
+
+def barrier(group: Any = None) -> None:
+    if world_size(group) > 1:
+        dist.barrier(group=group)
+
+
+def megatron_tp_group() -> Any:
+    """megatron-core's tensor-parallel group of this rank (parallel_state must be initialised)."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        raise ValueError(
+            "megatron-core parallel_state is not initialised: call "
+            "parallel_state.initialize_model_parallel(tensor_model_parallel_size=...) first"
+        )
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+# --- process groups and the rollout vote ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """Who this rank works with. Groups are torch ProcessGroups (None: the world / trivial)."""
+
+    rank: int
+    world_size: int
+    dp: Any = None
+    tp: Any = None
+    pp: Any = None
+    cp: Any = None
+    rollout: Any = None  # ranks whose collectives sit inside one generation call
+    rollout_ranks: tuple[int, ...] = (0,)
+    vote: Any = None  # gloo side group over rollout_ranks, with its own timeout
+    tp_size: int = 1
+    dp_size: int = 1
+
+    @property
+    def rollout_rank(self) -> int:
+        return self.rollout_ranks.index(self.rank)
+
+    def gather_fn(self):
+        """The termination vote's gather_fn (accelerate gather_object convention)."""
+        if len(self.rollout_ranks) == 1:
+            return local_gather
+        group = self.vote
+
+        def gather(items: list[Any]) -> list[Any]:
+            return [x for part in all_gather_object(items, group=group) for x in part]
+
+        return gather
+
+
+def _group_ranks(group: Any) -> tuple[int, ...]:
+    if group is None:
+        return tuple(range(world_size()))
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def side_groups(group: Any, *, timeout_s: float) -> Any:
+    """A gloo group over the same ranks as `group` (this rank's one), with its own timeout.
+
+    Collective over the whole world: every rank announces its group, and all distinct groups
+    are created in the same order everywhere (torch requires every rank to call new_group).
+    The vote rides gloo, never NCCL, so a long rollout cannot trip the NCCL watchdog.
+    """
+    if not is_initialized():
+        return None
+    mine = _group_ranks(group)
+    every = sorted(set(all_gather_object(mine)))
+    out = None
+    for ranks in every:
+        g = dist.new_group(list(ranks), backend="gloo", timeout=timedelta(seconds=timeout_s))
+        if ranks == mine:
+            out = g
+    return out
+
+
+def build_groups(*, rollout: str = "model_parallel", vote_timeout_s: float = 1800.0,
+                 rollout_group: Any = None) -> ParallelGroups:
+    """Describe this rank's groups, from megatron's parallel_state when it is initialised.
+
+    rollout: "model_parallel" (generation with the Megatron model: the TP x PP x CP ranks of
+    one DP index), "data_parallel" (an HF model under ZeRO-3: every forward gathers weights
+    across the DP group), or "world". `rollout_group` overrides it with the caller's group.
+    Collective: every rank of the world must call it.
+    """
+    if not is_initialized():
+        return ParallelGroups(rank=0, world_size=1)
+    from megatron.core import parallel_state as ps
+
+    r, w = rank(), world_size()
+    if ps.model_parallel_is_initialized():
+        dp, tp = ps.get_data_parallel_group(), ps.get_tensor_model_parallel_group()
+        pp, cp = ps.get_pipeline_model_parallel_group(), ps.get_context_parallel_group()
+        mp = ps.get_model_parallel_group()  # TP x PP of one DP index
+        tp_size, dp_size = ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_world_size()
+    else:
+        dp, tp, pp, cp, mp, tp_size, dp_size = None, None, None, None, None, 1, w
+    choices = {"model_parallel": mp, "data_parallel": dp, "world": None}
+    if rollout_group is None and rollout not in choices:
+        raise ValueError(f"build_groups: rollout must be one of {sorted(choices)}, got {rollout!r}")
+    group = rollout_group if rollout_group is not None else choices[rollout]
+    if rollout == "model_parallel" and rollout_group is None and mp is None:
+        group = _single_rank_group()
+    vote = side_groups(group, timeout_s=vote_timeout_s)
+    return ParallelGroups(
+        rank=r, world_size=w, dp=dp, tp=tp, pp=pp, cp=cp, rollout=group,
+        rollout_ranks=_group_ranks(group), vote=vote, tp_size=tp_size, dp_size=dp_size,
+    )
+
+
+def _single_rank_group() -> Any:
+    # one group per rank, created in the same order everywhere
+    out = None
+    for r in range(world_size()):
+        g = dist.new_group([r], backend="gloo")
+        if r == rank():
+            out = g
     return out
