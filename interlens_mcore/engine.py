@@ -10,10 +10,11 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from . import parallel
 from .sampling import sample_full_vocab
 
 
@@ -110,6 +111,9 @@ class HFEngine:
     """Generation with the `transformers` model being trained: left-padded batches, KV cache.
 
     The model is put in eval mode for the call and restored afterwards; no gradient is kept.
+    With `sync_group` (an HF model under DeepSpeed ZeRO-3, whose every forward gathers
+    weights across the group) the ranks take the same number of forward steps: a rank that is
+    done, or called with no rows, keeps stepping a dummy row while any rank still decodes.
     """
 
     model: torch.nn.Module
@@ -117,6 +121,7 @@ class HFEngine:
     name: str = "policy"
     max_context: int = 0  # 0: the model's max_position_embeddings
     stats: EngineStats = field(default_factory=EngineStats)
+    sync_group: Any = None  # process group whose ranks must forward in lockstep
 
     def __post_init__(self) -> None:
         if not self.max_context:
@@ -131,19 +136,33 @@ class HFEngine:
         self.stats.forwards += 1
         return out
 
+    def _anyone(self, active: torch.Tensor, synced: bool) -> bool:
+        """Is any row still decoding (on any rank of the sync group, when synced)?"""
+        flag = torch.tensor([int(active.any())])
+        if synced:
+            parallel.all_reduce(flag, "max", self.sync_group)
+        return bool(flag.item())
+
     @torch.inference_mode()
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
-        if not requests:
+        synced = self.sync_group is not None and parallel.world_size(self.sync_group) > 1
+        if not requests and not synced:
             return []
         caps = check_context(requests, self.max_context)
+        dummy = not requests
+        if dummy:  # join the group's forwards with one dummy row that samples nothing
+            requests, caps = [GenerationRequest(prompt_ids=[self.pad_id], max_new_tokens=0)], [0]
         was_training = self.model.training
         self.model.eval()
         try:
-            return self._generate(requests, caps)
+            out = self._generate(requests, caps, synced)
+            return [] if dummy else out
         finally:
             self.model.train(was_training)
 
-    def _generate(self, requests: Sequence[GenerationRequest], caps: list[int]) -> list[Generation]:
+    def _generate(
+        self, requests: Sequence[GenerationRequest], caps: list[int], synced: bool
+    ) -> list[Generation]:
         from transformers import DynamicCache
 
         device = next(self.model.parameters()).device
@@ -172,7 +191,8 @@ class HFEngine:
         ).logits[:, -1]  # [B, V]
         next_pos = positions[:, -1] + 1  # [B]
         step = 0
-        while bool(active.any()):
+        running = self._anyone(active, synced)
+        while running:
             tokens, logp = sample_full_vocab(
                 logits.float().cpu(), temps, seeds, torch.full((b,), step, dtype=torch.int64)
             )
@@ -185,7 +205,8 @@ class HFEngine:
                     active[i] = False
             step += 1
             active &= cap_t > step
-            if not bool(active.any()):
+            running = self._anyone(active, synced)
+            if not running:
                 break
             # finished rows keep decoding a pad token, masked out, so shapes stay aligned
             feed = torch.where(active, tokens, torch.full_like(tokens, self.pad_id))

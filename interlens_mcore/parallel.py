@@ -169,8 +169,9 @@ def side_groups(group: Any, *, timeout_s: float) -> Any:
     return out
 
 
-def build_groups(*, rollout: str = "model_parallel", vote_timeout_s: float = 1800.0,
-                 rollout_group: Any = None) -> ParallelGroups:
+def build_groups(
+    *, rollout: str = "model_parallel", vote_timeout_s: float = 1800.0, rollout_group: Any = None
+) -> ParallelGroups:
     """Describe this rank's groups, from megatron's parallel_state when it is initialised.
 
     rollout: "model_parallel" (generation with the Megatron model: the TP x PP x CP ranks of
@@ -198,8 +199,17 @@ def build_groups(*, rollout: str = "model_parallel", vote_timeout_s: float = 180
         group = _single_rank_group()
     vote = side_groups(group, timeout_s=vote_timeout_s)
     return ParallelGroups(
-        rank=r, world_size=w, dp=dp, tp=tp, pp=pp, cp=cp, rollout=group,
-        rollout_ranks=_group_ranks(group), vote=vote, tp_size=tp_size, dp_size=dp_size,
+        rank=r,
+        world_size=w,
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        rollout=group,
+        rollout_ranks=_group_ranks(group),
+        vote=vote,
+        tp_size=tp_size,
+        dp_size=dp_size,
     )
 
 
