@@ -172,7 +172,9 @@ def _flatten(trajectories: Sequence[Trajectory]) -> _Flat:
     complete = n_lp == trained
     logprobs = np.zeros(total, np.float32)
     where = mask & complete[sample]
-    values = chain.from_iterable(t.rollout_logprobs for t, ok in zip(trajectories, complete) if ok)
+    values = chain.from_iterable(
+        t.rollout_logprobs for t, ok in zip(trajectories, complete, strict=True) if ok
+    )
     # Boolean assignment fills in token order, which is the order of each sample's logprobs.
     logprobs[where] = np.fromiter(values, np.float64, int(where.sum()))
     return _Flat(lens, starts, ids, mask, logprobs, complete, sample)
