@@ -1,0 +1,489 @@
+"""The multi-turn scheduler driver: `MultiTurnScheduler` and `run_multi_turn`.
+
+The scheduler API mirrors ms-swift's names (`on_trajectory_start`, async `on_turn_end`,
+`check_finished`, `step` returning `infer_request` and optional `response_token_ids`,
+`response_loss_mask`, `rollout_logprobs`, `rollout_infos`), so a scheduler written for it
+ports with little change. Unlike ms-swift, requests stay in token space: a request's
+`prompt_ids` are exactly what the engine conditions on, and every next request must extend
+the previous prompt + response, so the trajectory is, token for token, what the engine saw.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .chat import ChatFormat
+from .engine import Engine, GenerationRequest, SamplingParams
+from .sampling import mix_seed
+from .trajectory import Status, Trajectory, TurnSpan, complete_or_none, validate_tokens
+from .vote import GatherFn, RolloutError, RolloutValueError, cast_vote, local_gather
+
+
+@dataclass(kw_only=True)
+class MultiTurnRequest:
+    """One conversation's next engine call, in token space."""
+
+    index: int  # stable id over all ranks: names the request in errors and seeds its samples
+    prompt_ids: list[int]  # exactly what the engine conditions on (ends with the assistant opener)
+    messages: list[dict[str, str]] = field(default_factory=list)  # text transcript, for schedulers
+    data: dict[str, Any] = field(default_factory=dict)  # free per-request state (answer, env config)
+    turn: int = 1  # 1-based engine call this request asks for; the driver sets it
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError(f"request {self.index}: prompt_ids is empty")
+
+    @classmethod
+    def from_messages(
+        cls, chat: ChatFormat, messages: list[dict[str, str]], *, index: int, data: dict | None = None
+    ) -> MultiTurnRequest:
+        """Render every message once, then open the assistant's turn."""
+        ids = [t for m in messages for t in chat.message_ids(m["role"], m["content"])]
+        ids += chat.generation_prompt_ids()
+        return cls(index=index, prompt_ids=ids, messages=[dict(m) for m in messages], data=data or {})
+
+
+@dataclass(kw_only=True)
+class ResponseChoice:
+    """What the engine answered to one request: the choice a scheduler sees."""
+
+    text: str
+    token_ids: list[int]  # sampled ids, verbatim
+    logprobs: list[float] | None  # one per sampled id; None when the engine gives none
+    finish_reason: str  # "stop" | "length"
+
+
+@dataclass(kw_only=True)
+class RolloutOutput:
+    """Everything one request produced, turn by turn."""
+
+    request: MultiTurnRequest  # the last request; its messages end with the final reply
+    prompt_ids: list[int]  # the first request's prompt: where the trajectory starts
+    # per turn: ids appended since the previous turn (closing template ids, environment
+    # messages and the assistant opener, all mask 0), then the turn's own response
+    response_token_ids: list[list[int]] = field(default_factory=list)
+    response_loss_mask: list[list[int]] = field(default_factory=list)
+    rollout_logprobs: list[list[float] | None] = field(default_factory=list)  # one per mask-1 token
+    rollout_infos: dict[str, Any] = field(default_factory=dict)  # hooks' and steps' infos, num_turns
+    finish_reason: str | None = None  # the last response's
+    status: Status = Status.RUNNING  # STOPPED, MAX_TURNS; FAILED for the request that failed
+    error: str | None = None  # why it failed
+    spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each response
+    turn_finish_reasons: list[str] = field(default_factory=list)
+
+    @property
+    def num_turns(self) -> int:
+        """Engine calls this request took; a continuation counts as a call of its own."""
+        return int(self.rollout_infos.get("num_turns", 0))
+
+    def to_trajectory(self, *, group: int = 0, participant: str = "policy") -> Trajectory:
+        """The trajectory; rollout logprobs only if there is one per loss-mask-1 token.
+
+        Incomplete logprobs are dropped, which turns IS correction off for this sample;
+        `infos['logprobs_complete']` says so, so the trainer can count it.
+        """
+        ids = self.prompt_ids + [t for turn in self.response_token_ids for t in turn]
+        mask = [0] * len(self.prompt_ids) + [m for turn in self.response_loss_mask for m in turn]
+        # check turn by turn: a turn short of a logprob must not borrow a neighbour's surplus
+        aligned = all(
+            lp is not None and len(lp) == sum(m)
+            for lp, m in zip(self.rollout_logprobs, self.response_loss_mask, strict=True)
+        )
+        flat = [x for lp in self.rollout_logprobs for x in lp] if aligned else None
+        logprobs, complete = complete_or_none(flat, mask)
+        spans = [
+            TurnSpan(start=s, end=e, speaker=participant, trained=1 in mask[s:e], finish_reason=r)
+            for (s, e), r in zip(self.spans, self.turn_finish_reasons, strict=True)
+        ]
+        infos = {**self.rollout_infos, "logprobs_complete": complete}
+        return Trajectory(
+            token_ids=ids,
+            loss_mask=mask,
+            rollout_logprobs=logprobs,
+            turns=spans,
+            participant=participant,
+            group=group,
+            status=self.status,
+            infos=infos,
+        )
+
+
+class MultiTurnError(RolloutError):
+    """A failed rollout that keeps this rank's work: `outputs`, one per request, in order.
+
+    Finished requests keep their status; unfinished ones are RUNNING with the turns they had;
+    a request that failed is FAILED with its `error`.
+    """
+
+    def __init__(self, failures: list[tuple[int, str]], outputs: list[RolloutOutput]):
+        super().__init__(failures)
+        self.outputs = outputs
+
+
+class MultiTurnValueError(MultiTurnError, RolloutValueError):
+    """Bad input (a ValueError) on every failing rank."""
+
+
+class MultiTurnScheduler(ABC):
+    """Decides when a request is finished and builds its next request.
+
+    Example: a calculator tool that answers every turn until the policy says "done"::
+
+        class Calculator(MultiTurnScheduler):
+            async def on_turn_end(self, request, response_choice, current_turn):
+                if "done" in response_choice.text:
+                    return {"done": True, "rollout_infos": {"solved_at": current_turn}}
+                return None
+
+            def step(self, request, response_choice, current_turn):
+                result = str(eval_sum(response_choice.text))
+                return {"infer_request": self.reply(request, response_choice, result, role="tool")}
+
+    `reply` closes the policy's turn, appends the tool message rendered once through the chat
+    template and opens the next assistant turn, all in token space. Return
+    `response_token_ids` / `response_loss_mask` (same length) / `rollout_logprobs` from `step`
+    to change what the just-finished turn contributes (e.g. cut a reply at a stop string).
+    Leave the last message as the assistant's (`continue_turn`) and the next engine call
+    continues the same turn.
+    """
+
+    def __init__(self, chat: ChatFormat | None = None, max_turns: int | None = None):
+        self.chat = chat  # needed by `reply` and `continue_turn`
+        self.max_turns = max_turns
+
+    def on_trajectory_start(self, requests: list[MultiTurnRequest]) -> None:
+        """Called once with this rank's requests before the first turn's hooks."""
+
+    async def on_turn_end(
+        self, request: MultiTurnRequest, response_choice: ResponseChoice, current_turn: int
+    ) -> dict[str, Any] | None:
+        """Runs concurrently for all requests of a round; may return `done` and `rollout_infos`.
+
+        A `done` that is not None decides instead of `check_finished`.
+        """
+        return None
+
+    def check_finished(
+        self, request: MultiTurnRequest, response_choice: ResponseChoice, current_turn: int
+    ) -> bool:
+        """Default: a reply cut at the token cap, or the scheduler's max_turns reached."""
+        if response_choice.finish_reason == "length":
+            return True
+        return self.max_turns is not None and current_turn >= self.max_turns
+
+    @abstractmethod
+    def step(
+        self, request: MultiTurnRequest, response_choice: ResponseChoice, current_turn: int
+    ) -> dict[str, Any]:
+        """Return {"infer_request": next request, ...optional turn overrides and rollout_infos}."""
+
+    def _chat(self) -> ChatFormat:
+        if self.chat is None:
+            raise ValueError(f"{type(self).__name__}: reply/continue_turn need chat=ChatFormat(...)")
+        return self.chat
+
+    def reply(
+        self,
+        request: MultiTurnRequest,
+        response_choice: ResponseChoice,
+        content: str,
+        *,
+        role: str = "user",
+        response_token_ids: list[int] | None = None,
+    ) -> MultiTurnRequest:
+        """Next request: this reply closed, a `role` message rendered once, an assistant opener."""
+        chat = self._chat()
+        ids = response_choice.token_ids if response_token_ids is None else response_token_ids
+        # a reply that ended on its own stop token needs only the template's tail after it
+        closed = bool(ids) and ids[-1] in chat.stop_token_ids
+        prompt = request.prompt_ids + list(ids) + chat.close_ids("stop" if closed else "length")
+        prompt += chat.message_ids(role, content) + chat.generation_prompt_ids()
+        messages = request.messages + [{"role": role, "content": content}]
+        return dataclasses.replace(request, prompt_ids=prompt, messages=messages)
+
+    def continue_turn(
+        self, request: MultiTurnRequest, response_choice: ResponseChoice, text: str = ""
+    ) -> MultiTurnRequest:
+        """Next request continues the assistant's message after `text` (tokens not trained)."""
+        extra = self._chat().encode(text) if text else []
+        messages = [dict(m) for m in request.messages]
+        messages[-1]["content"] += text
+        prompt = request.prompt_ids + response_choice.token_ids + extra
+        return dataclasses.replace(request, prompt_ids=prompt, messages=messages)
+
+
+class ToolScheduler(MultiTurnScheduler):
+    """Answers every policy turn with `tool(reply_text)` as a `role` message.
+
+    `done_when(reply_text)` true ends the request at that turn (and records `solved_turn`).
+    """
+
+    def __init__(
+        self,
+        chat: ChatFormat,
+        tool: Callable[[str], str],
+        *,
+        role: str = "tool",
+        done_when: Callable[[str], bool] | None = None,
+        max_turns: int | None = None,
+    ):
+        super().__init__(chat, max_turns)
+        self.tool, self.role, self.done_when = tool, role, done_when
+
+    async def on_turn_end(self, request, response_choice, current_turn):
+        if self.done_when is not None and self.done_when(response_choice.text):
+            return {"done": True, "rollout_infos": {"solved_turn": current_turn}}
+        return None
+
+    def step(self, request, response_choice, current_turn):
+        content = self.tool(response_choice.text)
+        return {"infer_request": self.reply(request, response_choice, content, role=self.role)}
+
+
+@dataclass
+class EngineRollout:
+    """A `rollout_fn` over an `Engine`: one generate call per round, seeds per (request, turn).
+
+    The seed depends only on `seed`, the request's index and its turn, so a request's tokens
+    do not depend on which other requests share the round.
+    """
+
+    engine: Engine
+    chat: ChatFormat
+    seed: int = 0
+
+    def __call__(self, requests: Sequence[MultiTurnRequest], config: SamplingParams) -> list[ResponseChoice]:
+        rows = [
+            GenerationRequest(
+                prompt_ids=r.prompt_ids,
+                max_new_tokens=config.max_new_tokens,
+                temperature=config.temperature,
+                seed=mix_seed(self.seed, r.index, r.turn),
+                stop_token_ids=self.chat.stop_token_ids,
+                tag=f"request {r.index}",
+            )
+            for r in requests
+        ]
+        # called with no rows too: a colocated engine's forward is a collective
+        return [
+            ResponseChoice(
+                text=self.chat.decode(g.token_ids),
+                token_ids=g.token_ids,
+                logprobs=g.logprobs,
+                finish_reason=g.finish_reason,
+            )
+            for g in self.engine.generate(rows)
+        ]
+
+
+RolloutFn = Callable[[list[MultiTurnRequest], Any], list[ResponseChoice]]
+
+
+@dataclass
+class _Slot:
+    """Driver state of one request."""
+
+    request: MultiTurnRequest
+    output: RolloutOutput
+    choice: ResponseChoice | None = None
+    turn_end: Any = None  # what on_turn_end returned (or raised) this round
+    continuing: bool = False  # the next response extends the last turn
+
+
+def _where(slot: _Slot, turn: int) -> str:
+    return f"request {slot.request.index} (turn {turn})"
+
+
+def _record(slot: _Slot, ids: list[int], mask: list[int], logprobs: list[float] | None, turn: int) -> None:
+    """Append this turn's response after whatever the prompt gained since the last turn."""
+    out = slot.output
+    covered = len(out.prompt_ids) + sum(len(t) for t in out.response_token_ids)
+    context = slot.request.prompt_ids[covered:]  # template/environment ids, never trained
+    start, reason = covered + len(context), slot.choice.finish_reason
+    if slot.continuing and out.response_token_ids:
+        last = out.rollout_logprobs[-1]
+        out.response_token_ids[-1] += context + ids
+        out.response_loss_mask[-1] += [0] * len(context) + mask
+        out.rollout_logprobs[-1] = None if last is None or logprobs is None else last + logprobs
+        out.spans[-1] = (out.spans[-1][0], start + len(ids))
+        out.turn_finish_reasons[-1] = reason
+    else:
+        out.response_token_ids.append(context + ids)
+        out.response_loss_mask.append([0] * len(context) + mask)
+        out.rollout_logprobs.append(None if logprobs is None else list(logprobs))
+        out.spans.append((start, start + len(ids)))
+        out.turn_finish_reasons.append(reason)
+    out.finish_reason = reason
+    out.rollout_infos["num_turns"] = turn
+
+
+def _accept(slot: _Slot, turn: int) -> bool:
+    """Check the engine's answer and add it to the transcript."""
+    choice = slot.choice
+    if not isinstance(choice, ResponseChoice):
+        raise ValueError(f"{_where(slot, turn)}: rollout_fn must return ResponseChoice, got {choice!r}")
+    if choice.logprobs is not None and not all(math.isfinite(x) for x in choice.logprobs):
+        raise ValueError(f"{_where(slot, turn)}: rollout_fn logprobs must be finite, got {choice.logprobs}")
+    messages = slot.request.messages
+    if messages and messages[-1].get("role") == "assistant":
+        messages[-1]["content"] += choice.text
+    else:
+        messages.append({"role": "assistant", "content": choice.text})
+    return True
+
+
+def _hook_result(slot: _Slot, turn: int) -> bool | None:
+    """The hook's `done` (None: let check_finished decide); its infos go to the output."""
+    result = slot.turn_end
+    if isinstance(result, BaseException):
+        raise result
+    if result is None:
+        return None
+    if not isinstance(result, dict):
+        raise ValueError(f"{_where(slot, turn)}: on_turn_end must return a dict or None, got {result!r}")
+    slot.output.rollout_infos.update(result.get("rollout_infos") or {})
+    return result.get("done")
+
+
+def _step(slot: _Slot, scheduler: MultiTurnScheduler, turn: int) -> None:
+    """Record the turn as the scheduler shapes it and move to its next request."""
+    req, choice, where = slot.request, slot.choice, f"{_where(slot, turn)}: scheduler.step()"
+    result = scheduler.step(req, choice, turn)
+    nxt = result.get("infer_request") if isinstance(result, dict) else None
+    if not isinstance(nxt, MultiTurnRequest):
+        raise ValueError(
+            f"{where} must return a dict with 'infer_request' (a MultiTurnRequest), got {result!r}"
+        )
+    ids = list(result.get("response_token_ids", choice.token_ids))
+    mask = list(result.get("response_loss_mask", [1] * len(ids)))
+    # the scheduler's logprobs are preferred: it knows which tokens it kept
+    logprobs = result.get("rollout_logprobs", choice.logprobs)
+    validate_tokens(ids, mask, logprobs, where=f"{where} response")
+    expected = req.prompt_ids + ids
+    if nxt.prompt_ids[: len(expected)] != expected:
+        raise ValueError(
+            f"{where}: infer_request.prompt_ids must extend the previous prompt_ids + "
+            f"response_token_ids ({len(expected)} tokens); rebuild it with reply()/continue_turn()"
+        )
+    _record(slot, ids, mask, logprobs, turn)
+    slot.output.rollout_infos.update(result.get("rollout_infos") or {})
+    slot.continuing = bool(nxt.messages) and nxt.messages[-1].get("role") == "assistant"
+    slot.request = slot.output.request = dataclasses.replace(nxt, turn=turn + 1)
+
+
+def _finish_or_step(slot: _Slot, scheduler: MultiTurnScheduler, turn: int, max_turns: int | None) -> bool:
+    """Freeze a finished request into its output, or step it; True while it still runs."""
+    done = _hook_result(slot, turn)
+    finished = done if done is not None else scheduler.check_finished(slot.request, slot.choice, turn)
+    capped = any(m is not None and turn >= m for m in (max_turns, scheduler.max_turns))
+    if finished or (max_turns is not None and turn >= max_turns):
+        ids = slot.choice.token_ids
+        _record(slot, list(ids), [1] * len(ids), slot.choice.logprobs, turn)
+        slot.output.status = Status.MAX_TURNS if capped and done is not True else Status.STOPPED
+        return False
+    _step(slot, scheduler, turn)
+    return True
+
+
+def _guarded(slots: list[_Slot], errors: list[Exception], fn: Callable[[_Slot], bool]) -> list[_Slot]:
+    """Apply fn per slot; a failure marks only that request FAILED, the others carry on."""
+    kept = []
+    for slot in slots:
+        try:
+            if fn(slot):
+                kept.append(slot)
+        except Exception as exc:
+            slot.output.status, slot.output.error = Status.FAILED, f"{type(exc).__name__}: {exc}"
+            errors.append(exc)
+    return kept
+
+
+async def _turn_ends(scheduler: MultiTurnScheduler, slots: list[_Slot], turn: int) -> list[Any]:
+    # concurrent: environments and tools may await I/O; one hook's exception is kept for its request
+    calls = (scheduler.on_turn_end(s.request, s.choice, turn) for s in slots)
+    return await asyncio.gather(*calls, return_exceptions=True)
+
+
+def _round(
+    slots: list[_Slot],
+    choices: Sequence[ResponseChoice],
+    scheduler: MultiTurnScheduler,
+    turn: int,
+    max_turns: int | None,
+) -> list[_Slot]:
+    """Everything between two engine calls; returns the slots that need another turn."""
+    if len(choices) != len(slots):
+        raise ValueError(f"turn {turn}: got {len(choices)} responses for {len(slots)} requests")
+    for slot, choice in zip(slots, choices, strict=True):
+        slot.choice = choice
+    errors: list[Exception] = []
+    ok = _guarded(slots, errors, lambda s: _accept(s, turn))
+    if ok:
+        for slot, result in zip(ok, asyncio.run(_turn_ends(scheduler, ok, turn)), strict=True):
+            slot.turn_end = result
+    running = _guarded(ok, errors, lambda s: _finish_or_step(s, scheduler, turn, max_turns))
+    if errors:  # the first names its request; every failed request is FAILED in the outputs
+        raise errors[0]
+    return running
+
+
+def _start(requests: Sequence[MultiTurnRequest], scheduler: MultiTurnScheduler) -> list[_Slot]:
+    # private copies of the transcripts: the driver appends the replies to them
+    own = [dataclasses.replace(r, messages=[dict(m) for m in r.messages]) for r in requests]
+    scheduler.on_trajectory_start(own)
+    return [_Slot(request=r, output=RolloutOutput(request=r, prompt_ids=list(r.prompt_ids))) for r in own]
+
+
+def run_multi_turn(
+    requests: Sequence[MultiTurnRequest],
+    first_turn_outputs: Sequence[ResponseChoice],
+    scheduler: MultiTurnScheduler,
+    rollout_fn: RolloutFn,
+    request_config: Any,
+    max_turns: int | None = None,
+    gather_fn: GatherFn = local_gather,
+    *,
+    rank: int = 0,
+) -> list[RolloutOutput]:
+    """Drive this rank's requests to the end; one output per request, in request order.
+
+    Each round: hooks run concurrently; a request is finished by the hook's `done`, else by
+    `check_finished`, else by `max_turns`; the others go through `scheduler.step`. Then all
+    ranks vote through `gather_fn`, and while any rank has work every rank calls
+    `rollout_fn(requests, request_config)`, an idle one with `[]`. A failure on any rank
+    (bad input, a hook or step raising, rollout_fn raising) is raised on every rank as a
+    `MultiTurnError` (`MultiTurnValueError` for bad input) whose `outputs` keep this rank's
+    work; the local exception is its `__cause__`.
+    """
+    slots: list[_Slot] = []
+    running: list[_Slot] = []
+    choices: Sequence[ResponseChoice] = first_turn_outputs
+    pending: Exception | None = None  # rollout_fn's failure, voted on before anything else
+    turn = 1
+    while True:
+        error = pending
+        try:
+            if pending is None:
+                if turn == 1:
+                    slots = running = _start(requests, scheduler)
+                running = _round(running, choices, scheduler, turn, max_turns)
+        except Exception as exc:
+            error = exc
+        try:
+            ballots = cast_vote(gather_fn, rank=rank, active=bool(running) and error is None, error=error)
+        except RolloutError as err:
+            cls = MultiTurnValueError if isinstance(err, ValueError) else MultiTurnError
+            raise cls(err.failures, [s.output for s in slots]) from error
+        if not any(b.active for b in ballots):
+            return [s.output for s in slots]
+        try:  # a collective: every rank of the group calls it in the same round
+            choices = rollout_fn([s.request for s in running], request_config)
+        except Exception as exc:
+            pending = exc
+        turn += 1

@@ -1,0 +1,346 @@
+"""The multi-turn scheduler driver: turns, termination, continuation, the completeness rule,
+the vote, and bad input. Fake rollouts where the test is not about the engine."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from interlens_mcore.chat import ChatFormat
+from interlens_mcore.engine import HFEngine, SamplingParams
+from interlens_mcore.multiturn import (
+    EngineRollout,
+    MultiTurnError,
+    MultiTurnRequest,
+    MultiTurnValueError,
+    ResponseChoice,
+    ToolScheduler,
+    run_multi_turn,
+)
+from interlens_mcore.trajectory import Status
+from interlens_mcore.vote import Ballot, RolloutError
+
+CFG = SamplingParams(temperature=1.0, max_new_tokens=6)
+LOGPROBS = [-0.5, -0.25, -0.125]
+
+
+@pytest.fixture(scope="module")
+def chat(tiny):
+    return ChatFormat(tiny[1])
+
+
+class FakeRollout:
+    """Answers request i at turn t with ids [30 + t, 40 + i] (+ eos when `stop`)."""
+
+    def __init__(self, chat: ChatFormat, *, stop: bool = True, fail_at_turn: int | None = None):
+        self.eos = chat.stop_token_ids[0]
+        self.stop, self.fail_at_turn = stop, fail_at_turn
+        self.calls: list[list[tuple[int, int]]] = []
+
+    def answer(self, r: MultiTurnRequest) -> ResponseChoice:
+        ids = [30 + r.turn, 40 + r.index] + ([self.eos] if self.stop else [])
+        return ResponseChoice(
+            text=f"r{r.index}t{r.turn}",
+            token_ids=ids,
+            logprobs=LOGPROBS[: len(ids)],
+            finish_reason="stop" if self.stop else "length",
+        )
+
+    def __call__(self, requests, config):
+        self.calls.append([(r.index, r.turn) for r in requests])
+        if requests and requests[0].turn == self.fail_at_turn:
+            raise RuntimeError("engine fell over")
+        return [self.answer(r) for r in requests]
+
+
+def make_requests(chat: ChatFormat, n: int, **data) -> list[MultiTurnRequest]:
+    return [
+        MultiTurnRequest.from_messages(
+            chat, [{"role": "user", "content": f"question {i}"}], index=i, data=dict(data)
+        )
+        for i in range(n)
+    ]
+
+
+def tool(text: str) -> str:
+    return f"result {len(text)}"
+
+
+def test_tool_scheduler_turns_stay_in_token_space(chat):
+    requests = make_requests(chat, 2)
+    rollout = FakeRollout(chat)
+    first = [rollout.answer(r) for r in requests]
+    outs = run_multi_turn(requests, first, ToolScheduler(chat, tool), rollout, CFG, max_turns=3)
+    assert rollout.calls == [[(0, 2), (1, 2)], [(0, 3), (1, 3)]]
+    eos = chat.stop_token_ids[0]
+    for i, out in enumerate(outs):
+        assert out.num_turns == 3 and out.status == Status.MAX_TURNS and out.finish_reason == "stop"
+        traj = out.to_trajectory(group=7)
+        # the whole sequence is the last prompt the engine saw plus its last answer
+        assert traj.token_ids == out.request.prompt_ids + [33, 40 + i, eos]
+        trained = [t for t, m in zip(traj.token_ids, traj.loss_mask) if m]
+        assert trained == [31, 40 + i, eos, 32, 40 + i, eos, 33, 40 + i, eos]
+        assert traj.rollout_logprobs == LOGPROBS * 3 and traj.infos["logprobs_complete"]
+        # turn 2 starts with the template's tail, the tool message rendered once, the opener
+        tool_ids = chat.message_ids("tool", tool(f"r{i}t1"))
+        assert out.response_token_ids[1] == chat.close_ids(
+            "stop"
+        ) + tool_ids + chat.generation_prompt_ids() + [
+            32,
+            40 + i,
+            eos,
+        ]
+        assert [traj.token_ids[s.start : s.end] for s in traj.turns] == [
+            [30 + t, 40 + i, eos] for t in (1, 2, 3)
+        ]
+        assert [m["role"] for m in out.request.messages] == ["user", "assistant", "tool"] * 1 + [
+            "assistant",
+            "tool",
+            "assistant",
+        ]
+        assert traj.group == 7 and traj.status == Status.MAX_TURNS
+    assert requests[0].messages == [{"role": "user", "content": "question 0"}]  # input untouched
+
+
+class DoneAt(ToolScheduler):
+    """Hook: done=True at data['done_at'], done=False before it, None when data['hook'] is off."""
+
+    async def on_turn_end(self, request, response_choice, current_turn):
+        if not request.data.get("hook", True):
+            return None
+        done = current_turn == request.data.get("done_at")
+        return {"done": done, "rollout_infos": {"last_hook_turn": current_turn}}
+
+
+def test_done_overrides_check_finished_and_max_turns_caps(chat):
+    requests = make_requests(chat, 3)
+    requests[0].data["done_at"] = 2  # done before the cap
+    requests[2].data["hook"] = False  # check_finished decides: 'length' finishes at once
+    rollout = FakeRollout(chat, stop=False)  # every reply is cut: check_finished says finished
+    first = [rollout.answer(r) for r in requests]
+    outs = run_multi_turn(requests, first, DoneAt(chat, tool), rollout, CFG, max_turns=4)
+    # finished in the order 2, 0, 1; outputs stay in request order
+    assert [o.request.index for o in outs] == [0, 1, 2]
+    assert [o.num_turns for o in outs] == [2, 4, 1]
+    assert [o.status for o in outs] == [Status.STOPPED, Status.MAX_TURNS, Status.STOPPED]
+    assert outs[1].rollout_infos["last_hook_turn"] == 4
+    assert rollout.calls == [[(0, 2), (1, 2)], [(1, 3)], [(1, 4)]]
+
+
+def test_scheduler_max_turns_through_check_finished(chat):
+    requests = make_requests(chat, 1)
+    rollout = FakeRollout(chat)
+    first = [rollout.answer(r) for r in requests]
+    outs = run_multi_turn(requests, first, ToolScheduler(chat, tool, max_turns=2), rollout, CFG)
+    assert outs[0].num_turns == 2 and outs[0].status == Status.MAX_TURNS
+    assert len(outs[0].to_trajectory().turns) == 2
+
+
+class Continue(ToolScheduler):
+    """Turn 1 is continued inside the assistant's message; later turns get a tool reply."""
+
+    def check_finished(self, request, response_choice, current_turn):
+        return False
+
+    def step(self, request, response_choice, current_turn):
+        if current_turn == 1:
+            return {"infer_request": self.continue_turn(request, response_choice, " result 5")}
+        return super().step(request, response_choice, current_turn)
+
+
+def test_continuation_extends_the_last_turn(chat):
+    requests = make_requests(chat, 1)
+    rollout = FakeRollout(chat, stop=False)
+    first = [rollout.answer(r) for r in requests]
+    out = run_multi_turn(requests, first, Continue(chat, tool), rollout, CFG, max_turns=3)[0]
+    injected = chat.encode(" result 5")
+    assert out.num_turns == 3 and len(out.response_token_ids) == 2
+    assert out.response_token_ids[0] == [31, 40] + injected + [32, 40]
+    assert out.response_loss_mask[0] == [1, 1] + [0] * len(injected) + [1, 1]
+    assert out.rollout_logprobs[0] == LOGPROBS[:2] * 2
+    traj = out.to_trajectory()
+    p = len(out.prompt_ids)
+    assert (traj.turns[0].start, traj.turns[0].end) == (p, p + 4 + len(injected))
+    assert traj.rollout_logprobs == LOGPROBS[:2] * 3
+    contents = [(m["role"], m["content"]) for m in out.request.messages]
+    assert contents[1] == ("assistant", "r0t1 result 5r0t2")
+    assert [r for r, _ in contents] == ["user", "assistant", "tool", "assistant"]
+
+
+class Shaping(ToolScheduler):
+    """Masks the middle token of every reply; hands its own logprobs when data['own_lp']."""
+
+    def step(self, request, response_choice, current_turn):
+        result = super().step(request, response_choice, current_turn)
+        result["response_loss_mask"] = [1, 0, 1]
+        if request.data.get("own_lp"):
+            result["rollout_logprobs"] = [-9.0, -7.0]
+        result["rollout_infos"] = {"shaped": True}
+        return result
+
+
+def test_step_logprobs_preferred_and_completeness_rule(chat):
+    requests = make_requests(chat, 2)
+    requests[1].data["own_lp"] = True
+    rollout = FakeRollout(chat)
+    first = [rollout.answer(r) for r in requests]
+    outs = run_multi_turn(requests, first, Shaping(chat, tool), rollout, CFG, max_turns=2)
+    # request 0: the engine's 3 logprobs against 2 trained tokens in turn 1: dropped, flagged
+    bad = outs[0].to_trajectory()
+    assert bad.rollout_logprobs is None and bad.infos["logprobs_complete"] is False
+    assert bad.num_trained_tokens == 2 + 3 and outs[0].rollout_infos["shaped"]
+    # request 1: the step's logprobs win for turn 1; the final turn keeps the engine's
+    assert outs[1].rollout_logprobs[0] == [-9.0, -7.0]
+    good = outs[1].to_trajectory()
+    assert good.rollout_logprobs == [-9.0, -7.0] + LOGPROBS and good.infos["logprobs_complete"]
+
+
+def test_idle_rank_calls_rollout_fn_while_another_rank_works(chat):
+    ballots: list[Ballot] = []
+
+    def gather(items):  # rank 1 still has work for the first two votes
+        ballots.extend(items)
+        return items + [Ballot(rank=1, active=len(ballots) <= 2)]
+
+    rollout = FakeRollout(chat)
+    outs = run_multi_turn([], [], ToolScheduler(chat, tool), rollout, CFG, gather_fn=gather, rank=0)
+    assert outs == [] and rollout.calls == [[], []]
+    assert [(b.rank, b.active) for b in ballots] == [(0, False)] * 3
+
+
+def test_finished_rank_keeps_calling_until_the_group_is_done(chat):
+    votes = []
+
+    def gather(items):
+        votes.append(items[0].active)
+        return items + [Ballot(rank=1, active=len(votes) <= 3)]
+
+    requests = make_requests(chat, 1)
+    rollout = FakeRollout(chat)
+    first = [rollout.answer(r) for r in requests]
+    outs = run_multi_turn(requests, first, ToolScheduler(chat, tool), rollout, CFG, 2, gather, rank=0)
+    assert votes == [True, False, False, False]
+    assert rollout.calls == [[(0, 2)], [], []] and outs[0].num_turns == 2
+
+
+def test_another_ranks_failure_raises_here_and_keeps_outputs(chat):
+    def gather(items):
+        return items + [Ballot(rank=1, active=True, error="ValueError: request 9: boom", bad_input=True)]
+
+    requests = make_requests(chat, 1)
+    rollout = FakeRollout(chat, stop=False)
+    first = [rollout.answer(r) for r in requests]
+    with pytest.raises(MultiTurnValueError, match="rank 1: ValueError: request 9: boom") as ei:
+        run_multi_turn(requests, first, ToolScheduler(chat, tool), rollout, CFG, gather_fn=gather)
+    assert ei.value.__cause__ is None and rollout.calls == []
+    assert ei.value.outputs[0].status == Status.STOPPED and ei.value.outputs[0].num_turns == 1
+
+
+class Faulty(ToolScheduler):
+    """Request 0 is done at turn 1, request 1 misbehaves in `mode`, request 2 is well behaved."""
+
+    def __init__(self, chat, mode):
+        super().__init__(chat, tool)
+        self.mode = mode
+
+    async def on_turn_end(self, request, response_choice, current_turn):
+        if request.index == 0:
+            return {"done": True}
+        if request.index == 1 and self.mode == "hook_not_dict":
+            return "yes"
+        return None
+
+    def step(self, request, response_choice, current_turn):
+        result = super().step(request, response_choice, current_turn)
+        if request.index != 1:
+            return result
+        if self.mode == "no_infer_request":
+            del result["infer_request"]
+        elif self.mode == "mask_length":
+            result["response_loss_mask"] = [1, 1]
+        elif self.mode == "mask_values":
+            result["response_loss_mask"] = [1, 2, 1]
+        elif self.mode == "step_logprobs":
+            result["rollout_logprobs"] = [-0.5, math.nan, -0.1]
+        elif self.mode == "not_extending":
+            nxt = result["infer_request"]
+            nxt.prompt_ids = nxt.prompt_ids[:3] + [5] + nxt.prompt_ids[3:]
+        return result
+
+
+@pytest.mark.parametrize(
+    "mode, message",
+    [
+        ("no_infer_request", "request 1 .*step\\(\\) must return a dict with 'infer_request'"),
+        ("mask_length", "request 1 .*loss_mask has 2 entries but token_ids has 3"),
+        ("mask_values", "request 1 .*loss_mask values must be 0 or 1, got 2"),
+        ("step_logprobs", "request 1 .*rollout_logprobs must be finite, got nan"),
+        ("engine_logprobs", "request 1 .*rollout_fn logprobs must be finite"),
+        ("not_extending", "request 1 .*prompt_ids must extend the previous prompt_ids"),
+        ("hook_not_dict", "request 1 .*on_turn_end must return a dict or None"),
+    ],
+)
+def test_bad_input_names_request_and_field_and_keeps_other_work(chat, mode, message):
+    requests = make_requests(chat, 3)
+    rollout = FakeRollout(chat)
+    first = [rollout.answer(r) for r in requests]
+    if mode == "engine_logprobs":
+        first[1].logprobs = [-0.5, -math.inf, -0.1]
+    with pytest.raises(MultiTurnValueError, match=message) as ei:
+        run_multi_turn(requests, first, Faulty(chat, mode), rollout, CFG, max_turns=3)
+    err = ei.value
+    assert isinstance(err, ValueError) and isinstance(err, RolloutError)
+    assert isinstance(err.__cause__, ValueError) and "request 1" in str(err.__cause__)
+    assert rollout.calls == []  # failed fast: no further engine call
+    done, failed, running = err.outputs
+    assert done.status == Status.STOPPED and done.to_trajectory().rollout_logprobs == LOGPROBS
+    assert failed.status == Status.FAILED and "request 1" in failed.error
+    assert running.status == Status.RUNNING and running.response_token_ids[0][:2] == [31, 42]
+
+
+def test_failures_that_are_not_bad_input(chat):
+    requests = make_requests(chat, 2)
+    rollout = FakeRollout(chat, fail_at_turn=2)
+    first = [rollout.answer(r) for r in requests]
+    with pytest.raises(MultiTurnError, match="RuntimeError: engine fell over") as ei:
+        run_multi_turn(requests, first, ToolScheduler(chat, tool), rollout, CFG, max_turns=3)
+    assert not isinstance(ei.value, ValueError)
+    assert [o.num_turns for o in ei.value.outputs] == [1, 1]  # turn 1 of both is kept
+    with pytest.raises(MultiTurnValueError, match="got 1 responses for 2 requests"):
+        run_multi_turn(requests, first[:1], ToolScheduler(chat, tool), rollout, CFG)
+
+
+class KeepGoing(ToolScheduler):
+    def check_finished(self, request, response_choice, current_turn):
+        return False  # the random tiny model rarely stops: let max_turns end it
+
+
+def rescored_logprobs(model, ids: list[int], mask: list[int]) -> list[float]:
+    """Logprob of every mask-1 token under a plain forward over the whole trajectory."""
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)  # [T, V]
+    return [float(logp[j - 1, ids[j]]) for j in range(1, len(ids)) if mask[j]]
+
+
+def test_real_model_trajectory_is_what_the_engine_saw(tiny, chat):
+    model, tokenizer = tiny
+    rollout = EngineRollout(HFEngine(model, tokenizer), chat, seed=3)
+    requests = make_requests(chat, 3)
+
+    def run(reqs):
+        first = rollout(reqs, CFG)
+        return run_multi_turn(reqs, first, KeepGoing(chat, tool), rollout, CFG, max_turns=3)
+
+    outs = run(requests)
+    for out in outs:
+        traj = out.to_trajectory()
+        assert out.num_turns == 3 and traj.num_trained_tokens == 3 * 6
+        assert traj.infos["logprobs_complete"]
+        # a plain forward over the trajectory reproduces the engine's logprobs: same tokens
+        rescored = rescored_logprobs(model, traj.token_ids, traj.loss_mask)
+        assert rescored == pytest.approx(traj.rollout_logprobs, abs=1e-4)
+    # seeds per (request, turn): request 1 alone gets the same tokens as in the batch
+    alone = run(requests[1:2])[0].to_trajectory()
+    assert alone.token_ids == outs[1].to_trajectory().token_ids
