@@ -1,0 +1,18 @@
+"""megatron-core backend pieces: layer specs, HF <-> megatron weights, a colocated engine.
+
+Importing this subpackage imports megatron-core; the rest of interlens_mcore does not need it.
+"""
+
+from .convert import export_hf, gather_hf_state_dict, load_hf_weights
+from .model import ModelLayout, build_model, forward_logits, layout_from_hf_config, load_layout
+
+__all__ = [
+    "ModelLayout",
+    "build_model",
+    "export_hf",
+    "forward_logits",
+    "gather_hf_state_dict",
+    "layout_from_hf_config",
+    "load_hf_weights",
+    "load_layout",
+]

@@ -1,0 +1,220 @@
+"""HF safetensors <-> megatron-core GPTModel weights for the Llama / Qwen2 families, under TP.
+
+Every megatron parameter is described once (`param_map`): which HF tensors it is fused from
+and how it is split over TP ranks. Import fuses the HF tensors into the TP=1 megatron layout
+and keeps this rank's shard; export gathers the shards over the TP group, joins them into the
+TP=1 layout and splits that back into HF tensors. The two directions share the table, so a
+round trip reproduces every HF tensor bit for bit.
+
+Megatron layouts (TP=1, then sharded):
+- linear_qkv: for each of the ng key/value groups, its q heads, then its k head, then its v
+  head: [ng * (q_per_group + 2) * hn, h]. Groups are contiguous, so TP splits dim 0.
+- linear_fc1 (SwiGLU): [gate; up] per rank, so rank r holds [gate_r; up_r], not a slice of
+  [gate; up].
+- embeddings / output layer: vocab rows padded with zeros to a multiple of TP, split dim 0.
+- linear_proj, linear_fc2: split along the input dim (row-parallel); norms are replicated.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .. import parallel
+from .model import ModelLayout
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
+
+
+@dataclass(frozen=True)
+class ParamRule:
+    """One megatron parameter: its HF sources, how they fuse, how the result is split over TP."""
+
+    megatron: str
+    hf: tuple[str, ...]
+    fuse: str  # "copy" | "qkv" | "glu" | "vocab"
+    split: str  # "replicated" | "rows" | "cols" | "glu_rows"
+
+
+def param_map(layout: ModelLayout, megatron_names: set[str]) -> list[ParamRule]:
+    """The rules for every parameter of a GPTModel built for `layout`.
+
+    `megatron_names` picks the norm names: Transformer Engine's spec fuses the pre-attention
+    and pre-MLP norms into linear_qkv / linear_fc1 (`layer_norm_weight`).
+    """
+    te_norms = "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in megatron_names
+    rules = [ParamRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", "rows")]
+    for i in range(layout.num_layers):
+        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        attn, mlp = m + "self_attention.", m + "mlp."
+        qkv = [f"{h}self_attn.{x}_proj" for x in "qkv"]
+        attn_norm = attn + "linear_qkv.layer_norm_weight" if te_norms else m + "input_layernorm.weight"
+        mlp_norm = mlp + "linear_fc1.layer_norm_weight" if te_norms else m + "pre_mlp_layernorm.weight"
+        gate_up = (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight")
+        rules += [
+            ParamRule(attn_norm, (h + "input_layernorm.weight",), "copy", "replicated"),
+            ParamRule(attn + "linear_qkv.weight", tuple(x + ".weight" for x in qkv), "qkv", "rows"),
+            ParamRule(attn + "linear_proj.weight", (h + "self_attn.o_proj.weight",), "copy", "cols"),
+            ParamRule(mlp_norm, (h + "post_attention_layernorm.weight",), "copy", "replicated"),
+            ParamRule(mlp + "linear_fc1.weight", gate_up, "glu", "glu_rows"),
+            ParamRule(mlp + "linear_fc2.weight", (h + "mlp.down_proj.weight",), "copy", "cols"),
+        ]
+        if layout.qkv_bias:
+            rules.append(ParamRule(attn + "linear_qkv.bias", tuple(x + ".bias" for x in qkv), "qkv", "rows"))
+    rules.append(ParamRule("decoder.final_layernorm.weight", ("model.norm.weight",), "copy", "replicated"))
+    if not layout.tied_embeddings:
+        rules.append(ParamRule("output_layer.weight", ("lm_head.weight",), "vocab", "rows"))
+    return rules
+
+
+# ---- fusing HF tensors into the TP=1 megatron layout, and back ----
+
+
+def _fuse(rule: ParamRule, layout: ModelLayout, tensors: list[torch.Tensor]) -> torch.Tensor:
+    if rule.fuse == "copy":
+        return tensors[0]
+    if rule.fuse == "glu":
+        return torch.cat(tensors, dim=0)  # [2F, h]
+    if rule.fuse == "vocab":
+        (t,) = tensors
+        pad = t.new_zeros((layout.padded_vocab_size - t.shape[0], *t.shape[1:]))
+        return torch.cat([t, pad], dim=0)  # [V_pad, h]
+    ng, hn = layout.num_kv_heads, layout.head_dim
+    q, k, v = tensors
+    rest = q.shape[1:]  # (h,) for weights, () for biases
+    per_group = [q.reshape(ng, -1, *rest), k.reshape(ng, hn, *rest), v.reshape(ng, hn, *rest)]
+    return torch.cat(per_group, dim=1).reshape(-1, *rest)  # [ng * (q_per_group + 2) * hn, ...]
+
+
+def _unfuse(rule: ParamRule, layout: ModelLayout, full: torch.Tensor) -> list[torch.Tensor]:
+    if rule.fuse == "copy":
+        return [full]
+    if rule.fuse == "glu":
+        return list(full.chunk(2, dim=0))
+    if rule.fuse == "vocab":
+        return [full[: layout.vocab_size]]
+    ng, hn = layout.num_kv_heads, layout.head_dim
+    q_width = layout.num_heads // ng * hn
+    grouped = full.reshape(ng, q_width + 2 * hn, *full.shape[1:])
+    q, k, v = grouped.split([q_width, hn, hn], dim=1)
+    return [x.reshape(-1, *full.shape[1:]) for x in (q, k, v)]
+
+
+# ---- splitting the TP=1 layout over TP ranks, and joining ----
+
+
+def _split(rule: ParamRule, full: torch.Tensor, tp: int) -> list[torch.Tensor]:
+    if rule.split == "replicated":
+        return [full] * tp
+    if rule.split == "cols":
+        return list(full.chunk(tp, dim=1))
+    if rule.split == "glu_rows":  # rank r gets [gate_r; up_r]
+        halves = full.reshape(2, -1, *full.shape[1:]).chunk(tp, dim=1)
+        return [h.reshape(-1, *full.shape[1:]) for h in halves]
+    return list(full.chunk(tp, dim=0))
+
+
+def _join(rule: ParamRule, shards: list[torch.Tensor]) -> torch.Tensor:
+    if rule.split == "replicated":
+        return shards[0]
+    if rule.split == "cols":
+        return torch.cat(shards, dim=1)
+    if rule.split == "glu_rows":
+        halves = [s.reshape(2, -1, *s.shape[1:]) for s in shards]
+        joined = torch.cat(halves, dim=1)
+        return joined.reshape(-1, *joined.shape[2:])
+    return torch.cat(shards, dim=0)
+
+
+# ---- reading and writing ----
+
+
+def _hf_reader(folder: Path) -> Callable[[str], torch.Tensor]:
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"HF folder {folder} has no *.safetensors weights")
+    where = {}
+    for f in files:
+        with safe_open(f, framework="pt") as sf:
+            where.update(dict.fromkeys(sf.keys(), f))
+
+    def read(name: str) -> torch.Tensor:
+        if name not in where:
+            raise ValueError(f"HF folder {folder} has no tensor {name!r}")
+        with safe_open(where[name], framework="pt") as sf:
+            return sf.get_tensor(name)
+
+    return read
+
+
+def _checked_rules(model: torch.nn.Module, layout: ModelLayout) -> tuple[list[ParamRule], dict]:
+    params = dict(model.named_parameters())
+    rules = param_map(layout, set(params))
+    unknown = set(params) - {r.megatron for r in rules}
+    missing = {r.megatron for r in rules} - set(params)
+    if unknown or missing:
+        raise ValueError(
+            f"GPTModel parameters do not match the {layout.family} layout (pass the bare GPTModel, "
+            f"not a wrapper): unknown {sorted(unknown)[:4]}, missing {sorted(missing)[:4]}"
+        )
+    return rules, params
+
+
+@torch.no_grad()
+def load_hf_weights(model: torch.nn.Module, layout: ModelLayout, hf_folder: str | Path) -> None:
+    """Copy this rank's TP shard of every HF tensor into `model` (every parameter is set)."""
+    rules, params = _checked_rules(model, layout)
+    read = _hf_reader(Path(hf_folder))
+    tp_rank = parallel.rank(parallel.megatron_tp_group())
+    for rule in rules:
+        full = _fuse(rule, layout, [read(n) for n in rule.hf])
+        shard = _split(rule, full, layout.tp_size)[tp_rank]
+        param = params[rule.megatron]
+        if shard.shape != param.shape:
+            raise ValueError(
+                f"{rule.hf} give a shard of shape {tuple(shard.shape)} for {rule.megatron}, "
+                f"whose shape is {tuple(param.shape)}"
+            )
+        param.copy_(shard)
+
+
+@torch.no_grad()
+def gather_hf_state_dict(model: torch.nn.Module, layout: ModelLayout) -> dict[str, torch.Tensor]:
+    """Full HF tensors (on CPU) from this rank's shards; collective over the TP group."""
+    rules, params = _checked_rules(model, layout)
+    group = parallel.megatron_tp_group()
+    state = {}
+    for rule in rules:
+        shards = parallel.all_gather_tensor(params[rule.megatron].detach(), group)
+        for name, tensor in zip(rule.hf, _unfuse(rule, layout, _join(rule, shards)), strict=True):
+            state[name] = tensor.cpu().contiguous()
+    return state
+
+
+def export_hf(
+    model: torch.nn.Module, layout: ModelLayout, src_folder: str | Path, out_dir: str | Path
+) -> Path:
+    """Write `model` as an HF folder that `from_pretrained` loads; call on every rank.
+
+    Shards are gathered over each TP group; global rank 0 writes `model.safetensors` (one
+    file, in the parameters' dtype) and copies every non-weight file of `src_folder` (config,
+    generation config, tokenizer, chat template). Ends with a barrier over the world.
+    """
+    src, out = Path(src_folder), Path(out_dir)
+    state = gather_hf_state_dict(model, layout)
+    if parallel.rank() == 0:
+        from safetensors.torch import save_file
+
+        out.mkdir(parents=True, exist_ok=True)
+        for f in src.iterdir():
+            if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES):
+                shutil.copy2(f, out / f.name)
+        save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    parallel.barrier()
+    return out
