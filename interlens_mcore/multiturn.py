@@ -142,13 +142,15 @@ class MultiTurnScheduler(ABC):
                 return None
 
             def step(self, request, response_choice, current_turn):
-                result = str(eval_sum(response_choice.text))
+                numbers = [int(w) for w in response_choice.text.split() if w.isdigit()]
+                result = f"sum = {sum(numbers)}"
                 return {"infer_request": self.reply(request, response_choice, result, role="tool")}
 
     `reply` closes the policy's turn, appends the tool message rendered once through the chat
     template and opens the next assistant turn, all in token space. Return
     `response_token_ids` / `response_loss_mask` (same length) / `rollout_logprobs` from `step`
-    to change what the just-finished turn contributes (e.g. cut a reply at a stop string).
+    to change what the just-finished turn contributes (e.g. cut a reply at a stop string; pass
+    the same ids to `reply(..., response_token_ids=...)`).
     Leave the last message as the assistant's (`continue_turn`) and the next engine call
     continues the same turn.
     """
@@ -459,8 +461,11 @@ def run_multi_turn(
     `rollout_fn(requests, request_config)`, an idle one with `[]`. A failure on any rank
     (bad input, a hook or step raising, rollout_fn raising) is raised on every rank as a
     `MultiTurnError` (`MultiTurnValueError` for bad input) whose `outputs` keep this rank's
-    work; the local exception is its `__cause__`.
+    work; the local exception is its `__cause__`. Hooks run under `asyncio.run`, so call
+    this from synchronous code (not from inside a running event loop).
     """
+    if max_turns is not None and max_turns < 1:
+        raise ValueError(f"run_multi_turn: max_turns must be >= 1 or None, got {max_turns}")
     slots: list[_Slot] = []
     running: list[_Slot] = []
     choices: Sequence[ResponseChoice] = first_turn_outputs

@@ -3,6 +3,7 @@ the vote, and bad input. Fake rollouts where the test is not about the engine.""
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
@@ -102,6 +103,35 @@ def test_tool_scheduler_turns_stay_in_token_space(chat):
         ]
         assert traj.group == 7 and traj.status == Status.MAX_TURNS
     assert requests[0].messages == [{"role": "user", "content": "question 0"}]  # input untouched
+
+
+class Barrier(ToolScheduler):
+    """Every hook of a round waits until all of the round's hooks have started."""
+
+    def __init__(self, chat, n):
+        super().__init__(chat, tool)
+        self.n, self.rounds = n, {}
+
+    def on_trajectory_start(self, requests):
+        for r in requests:
+            r.data["started"] = True
+
+    async def on_turn_end(self, request, response_choice, current_turn):
+        state = self.rounds.setdefault(current_turn, [0, asyncio.Event()])
+        state[0] += 1
+        if state[0] == self.n:
+            state[1].set()
+        await asyncio.wait_for(state[1].wait(), timeout=5)  # hooks run one by one would time out
+        return {"rollout_infos": {"hook_turn": current_turn}}
+
+
+def test_hooks_run_concurrently(chat):
+    requests = make_requests(chat, 3)
+    rollout = FakeRollout(chat)
+    first = [rollout.answer(r) for r in requests]
+    outs = run_multi_turn(requests, first, Barrier(chat, 3), rollout, CFG, max_turns=2)
+    assert [o.rollout_infos["hook_turn"] for o in outs] == [2, 2, 2]
+    assert all(o.request.data["started"] for o in outs)
 
 
 class DoneAt(ToolScheduler):
@@ -344,3 +374,7 @@ def test_real_model_trajectory_is_what_the_engine_saw(tiny, chat):
     # seeds per (request, turn): request 1 alone gets the same tokens as in the batch
     alone = run(requests[1:2])[0].to_trajectory()
     assert alone.token_ids == outs[1].to_trajectory().token_ids
+    # ... and the seed depends on the request's index: same prompt, other index, other tokens
+    twin = run([MultiTurnRequest.from_messages(chat, requests[1].messages, index=5)])[0].to_trajectory()
+    assert twin.token_ids[: len(requests[1].prompt_ids)] == requests[1].prompt_ids
+    assert twin.token_ids != alone.token_ids
