@@ -125,6 +125,17 @@ class TrainingBatch:
         )
 
 
+def block_causal_mask(sample_ids: torch.Tensor) -> torch.Tensor:
+    """[B, 1, T, T] bool attention mask: causal, and only within a sample (padding with padding).
+
+    For backends without varlen attention (an HF model on the packed row). It costs T^2, so
+    use it on windows of a few thousand tokens cut at `cu_seqlens`, not on a long packed row.
+    """
+    t = sample_ids.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=sample_ids.device).tril()
+    return (causal & (sample_ids[:, :, None] == sample_ids[:, None, :]))[:, None]
+
+
 @dataclass
 class _Flat:
     """All samples concatenated, in token space (position p describes token p)."""

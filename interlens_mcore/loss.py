@@ -218,7 +218,7 @@ def grpo_loss(
     lp = clean(logprobs, valid)  # [B, T]; gradient flows only through valid tokens
     train = clean(old_logprobs, valid) if old_logprobs is not None else lp.detach()
     rollout = clean(rollout_logprobs, compared)
-    diff = train - rollout  # [B, T] log pi_train - log pi_rollout, 0 where not compared
+    diff = torch.where(compared, train - rollout, 0.0)  # [B, T] log pi_train - log pi_rollout
     diff_c = diff.clamp(-c, c)
 
     correcting = config.bypass or config.is_mode is not None

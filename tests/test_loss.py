@@ -1,0 +1,329 @@
+import math
+
+import pytest
+import torch
+
+from interlens_mcore.batch import block_causal_mask, build_batch
+from interlens_mcore.logprobs import token_logprobs
+from interlens_mcore.loss import (
+    LossConfig,
+    batch_loss,
+    finalize_metrics,
+    grpo_loss,
+    importance_weights,
+    merge_metrics,
+)
+from interlens_mcore.trajectory import Trajectory, TurnSpan
+
+LN2 = math.log(2)
+
+# One packed row of 6 positions: sample 0 owns 0..2 (turn 0 = positions 0-1, turn 1 = position 2),
+# sample 1 owns 3..4 (turn 2), position 5 is padding. Five loss tokens; A = 2 for sample 0,
+# -1 for sample 1, so on-policy (ratio 1) the per-token policy loss -A * 1 is [-2, -2, -2, 1, 1].
+SAMPLE = torch.tensor([[0, 0, 0, 1, 1, -1]])
+SEGMENT = torch.tensor([[0, 0, 1, 2, 2, -1]])
+MASK = torch.tensor([[True, True, True, True, True, False]])
+ADV = torch.tensor([[2.0, 2.0, 2.0, -1.0, -1.0, 0.0]])
+LP = torch.full((1, 6), -1.0)
+# Sample 0's rollout logprobs make log(pi_train / pi_rollout) = [ln 4, -ln 2, 0]: token IS
+# weights [4, 0.5, 1]. Sample 1 is incomplete: its slots are NaN and must never be read.
+ROLLOUT = torch.tensor([[-1.0 - 2 * LN2, -1.0 + LN2, -1.0, math.nan, math.nan, 0.0]])
+COMPLETE = torch.tensor([True, False])
+
+
+def run(config, lp=None, **overrides):
+    lp = (LP if lp is None else lp).clone().requires_grad_(True)
+    kwargs = dict(
+        loss_mask=MASK,
+        advantages=ADV,
+        rollout_logprobs=ROLLOUT,
+        logprobs_complete=COMPLETE,
+        sample_ids=SAMPLE,
+        segment_ids=SEGMENT,
+        config=config,
+        num_tokens=5,
+        num_sequences=2,
+    )
+    kwargs.update(overrides)
+    loss, metrics = grpo_loss(lp, **kwargs)
+    loss.backward()
+    return loss.item(), lp.grad[0].tolist(), metrics
+
+
+@pytest.mark.parametrize(
+    "aggregation, num_tokens, expected",
+    [
+        ("token-mean", 5, -0.8),  # (-2 - 2 - 2 + 1 + 1) / 5
+        ("token-mean", 10, -0.4),  # the global denominator is the caller's
+        ("seq-mean-token-mean", 5, -0.5),  # (mean(-2, -2, -2) + mean(1, 1)) / 2 = (-2 + 1) / 2
+        ("seq-mean-token-sum", 5, -2.0),  # (-6 + 2) / 2 sequences
+    ],
+)
+def test_aggregations_on_policy(aggregation, num_tokens, expected):
+    loss, grad, _ = run(LossConfig(aggregation=aggregation), num_tokens=num_tokens)
+    assert loss == pytest.approx(expected)
+    assert grad[5] == 0.0  # padding
+
+
+def ratios_old(ratios):
+    """old logprobs giving ratio pi / pi_old = `ratios` on the five loss tokens."""
+    r = torch.tensor([ratios + [1.0]])
+    return LP - torch.log(r)
+
+
+def test_clip_clip_higher_and_dual_clip():
+    old = ratios_old([1.5, 0.5, 1.0, 1.5, 0.5])
+    # eps 0.2, per token max(-A r, -A clip(r, 0.8, 1.2)):
+    #   A=2,  r=1.5: max(-3, -2.4) = -2.4 (clipped)    A=2,  r=0.5: max(-1, -1.6) = -1
+    #   A=2,  r=1:   -2                                 A=-1, r=1.5: max(1.5, 1.2) = 1.5
+    #   A=-1, r=0.5: max(0.5, 0.8) = 0.8 (clipped)      sum -3.1, / 5 = -0.62
+    loss, grad, m = run(LossConfig(), old_logprobs=old)
+    assert loss == pytest.approx(-0.62)
+    # d/dlp of -A r is -A r on unclipped tokens, 0 on clipped: [0, -1, -2, 1.5, 0] / 5
+    assert grad[:5] == pytest.approx([0.0, -0.2, -0.4, 0.3, 0.0])
+    assert m["clip/tokens_clipped"].item() == 2
+    assert m["ratio/max"].item() == pytest.approx(1.5)
+    # epsilon_high 0.6: token 0 is max(-3, -2 * 1.5) = -3, unclipped: sum -3.7, / 5 = -0.74
+    loss, _, m = run(LossConfig(epsilon_high=0.6), old_logprobs=old)
+    assert loss == pytest.approx(-0.74)
+    assert m["clip/tokens_clipped"].item() == 1
+    # dual clip 1.2: for A=-1 the loss is capped at -A * 1.2 = 1.2: token 3 1.5 -> 1.2.
+    # sum -2.4 - 1 - 2 + 1.2 + 0.8 = -3.4, / 5 = -0.68
+    loss, grad, m = run(LossConfig(dual_clip=1.2), old_logprobs=old)
+    assert loss == pytest.approx(-0.68)
+    assert grad[3] == 0.0 and m["clip/tokens_dual_clipped"].item() == 1
+
+
+@pytest.mark.parametrize(
+    "estimator, kl_sum",
+    [
+        ("k1", 0.0),  # -d = [-ln2, 0, 0, ln2, 0]
+        ("k2", LN2**2),  # d^2 / 2 = [ln2^2 / 2, 0, 0, ln2^2 / 2, 0]
+        ("k3", 0.5),  # e^d - d - 1 = [1 - ln2, 0, 0, ln2 - 0.5, 0]
+    ],
+)
+def test_kl_to_reference(estimator, kl_sum):
+    # d = log(pi_ref / pi) = [ln2, 0, 0, -ln2, 0]
+    ref = LP + torch.tensor([[LN2, 0, 0, -LN2, 0, 0]])
+    loss, _, m = run(LossConfig(beta=0.1, kl_estimator=estimator), ref_logprobs=ref)
+    # policy -0.8 (on-policy) + 0.1 * kl_sum / 5
+    assert loss == pytest.approx(-0.8 + 0.1 * kl_sum / 5, abs=1e-6)
+    assert m["kl/ref_sum"].item() == pytest.approx(kl_sum, abs=1e-6)
+    assert m["loss/kl"].item() == pytest.approx(0.1 * kl_sum / 5, abs=1e-6)
+
+
+# Sample 0 is complete with token weights w = [4, 0.5, 1]; sample 1 is not corrected.
+# The loss is (sum over sample 0 of w * -2 + 1 + 1) / 5.
+# Sequence level: exp(mean(ln4, -ln2, 0)) = 2^(1/3) = 1.259921 on all three tokens.
+# Turn level: turn 0 exp(mean(ln4, -ln2)) = sqrt 2 on tokens 0-1; turn 1 weight 1 on token 2.
+C = 2 ** (1 / 3)
+R = math.sqrt(2)
+
+
+@pytest.mark.parametrize(
+    "mode, threshold, weights, truncated, masked",
+    [
+        ("token_truncate", 2.0, [2, 0.5, 1], 1, 0),  # 4 -> 2
+        ("token_mask", 2.0, [0, 0.5, 1], 0, 1),  # 4 > 2 dropped
+        ("sequence_truncate", 2.0, [C, C, C], 0, 0),
+        ("sequence_truncate", 1.2, [1.2, 1.2, 1.2], 3, 0),
+        ("sequence_mask", 2.0, [C, C, C], 0, 0),
+        ("sequence_mask", 1.2, [0, 0, 0], 0, 3),
+        ("turn_truncate", 2.0, [R, R, 1], 0, 0),
+        ("turn_truncate", 1.2, [1.2, 1.2, 1], 2, 0),
+        ("turn_mask", 1.2, [0, 0, 1], 0, 2),
+    ],
+)
+def test_is_modes(mode, threshold, weights, truncated, masked):
+    loss, grad, m = run(LossConfig(is_mode=mode, is_threshold=threshold))
+    expected = (sum(w * -2 for w in weights) + 2) / 5
+    assert loss == pytest.approx(expected, abs=1e-6)
+    # On-policy, d/dlp of w * -A * r is w * -A: weights are constants (no gradient through them).
+    assert grad[:5] == pytest.approx([w * -2 / 5 for w in weights] + [0.2, 0.2], abs=1e-6)
+    assert m["is/tokens_truncated"].item() == truncated
+    assert m["is/tokens_masked"].item() == masked
+    assert m["is/samples_corrected"].item() == 1 and m["is/tokens_corrected"].item() == 3
+    assert m["is/weight_sum"].item() == pytest.approx(sum(weights), abs=1e-5)
+    assert m["is/weight/max"].item() == pytest.approx(max(weights), abs=1e-6)
+    assert m["nonfinite_masked"].item() == 0  # sample 1's NaN rollout slots were never read
+
+
+def test_is_diagnostics_and_finalize():
+    _, _, m = run(LossConfig(is_mode="token_truncate"))
+    out = finalize_metrics(m)
+    # log-ratios of the 3 compared tokens: [ln4, -ln2, 0]
+    assert out["is/sample_fraction"] == 0.5 and out["is/complete_fraction"] == 0.5
+    assert out["is/token_fraction"] == pytest.approx(3 / 5)
+    assert out["is/weight_mean"] == pytest.approx(3.5 / 3)  # [2, 0.5, 1]
+    assert out["is/truncated_fraction"] == pytest.approx(1 / 3)
+    # k1 of KL(rollout || train) = mean(log rollout - log train) = -(2 ln2 - ln2) / 3
+    assert out["is/kl_k1"] == pytest.approx(-LN2 / 3, abs=1e-6)
+    # k3 = mean(e^x - 1 - x): (4 - 1 - 2 ln2) + (0.5 - 1 + ln2) + 0 = 2.5 - ln2
+    assert out["is/kl_k3"] == pytest.approx((2.5 - LN2) / 3, abs=1e-6)
+    assert out["is/abs_logprob_diff"] == pytest.approx(3 * LN2 / 3, abs=1e-6)
+
+
+def test_no_is_mode_corrects_nothing_but_still_diagnoses():
+    loss, _, m = run(LossConfig())
+    assert loss == pytest.approx(-0.8)
+    assert m["is/samples_corrected"].item() == 0 and m["is/tokens_corrected"].item() == 0
+    assert m["is/tokens_compared"].item() == 3
+
+
+def test_bypass_uses_rollout_as_old_policy():
+    # Sample 0: ratio pi / pi_rollout = [4, 0.5, 1], clipped PPO with A=2:
+    #   max(-8, -2.4) = -2.4, max(-1, -1.6) = -1, -2; sample 1 on-policy: 1, 1.
+    #   (-2.4 - 1 - 2 + 1 + 1) / 5 = -0.68
+    loss, grad, m = run(LossConfig(bypass=True))
+    assert loss == pytest.approx(-0.68, abs=1e-6)
+    assert grad[:5] == pytest.approx([0.0, -0.2, -0.4, 0.2, 0.2], abs=1e-6)
+    assert m["is/samples_corrected"].item() == 1
+    assert m["is/weight/max"].item() == pytest.approx(4.0)
+
+
+def test_nonfinite_logprobs_are_masked_and_counted():
+    lp = LP.clone()
+    lp[0, 1] = math.nan
+    lp[0, 3] = -math.inf
+    lp[0, 5] = math.nan  # padding: not a loss token, not counted
+    old = LP.clone()
+    old[0, 4] = math.inf
+    loss, grad, m = run(LossConfig(is_mode="token_truncate"), lp=lp, old_logprobs=old)
+    # Left: tokens 0 (w 2) and 2 (w 1) of sample 0: (-4 - 2) / 5 = -1.2
+    assert loss == pytest.approx(-1.2)
+    assert all(math.isfinite(g) for g in grad)
+    assert grad[1] == grad[3] == grad[4] == 0.0
+    assert m["nonfinite_masked"].item() == 3
+    assert all(math.isfinite(v.item()) for v in m.values())
+
+
+def test_completeness_gate_is_per_sample():
+    # Sample 0's gradient must not depend on whether sample 1 has complete logprobs.
+    cfg = LossConfig(is_mode="sequence_truncate")
+    rollout = ROLLOUT.clone()
+    rollout[0, 3:5] = LP[0, 3:5] - 0.3
+    _, g_mixed, _ = run(cfg, rollout_logprobs=rollout)
+    _, g_both, m = run(cfg, rollout_logprobs=rollout, logprobs_complete=torch.tensor([True, True]))
+    assert g_mixed[:3] == pytest.approx(g_both[:3])
+    assert g_mixed[3:5] != pytest.approx(g_both[3:5])  # sample 1 is corrected only when complete
+    assert m["is/samples_corrected"].item() == 2
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"epsilon": 0.0}, "epsilon"),
+        ({"epsilon_high": -0.1}, "epsilon_high"),
+        ({"dual_clip": 1.0}, "dual_clip"),
+        ({"beta": -1.0}, "beta"),
+        ({"kl_estimator": "k4"}, "kl_estimator"),
+        ({"aggregation": "token-sum"}, "aggregation"),
+        ({"is_mode": "segment_mask"}, "is_mode"),
+        ({"is_threshold": 0.0}, "is_threshold"),
+        ({"bypass": True, "is_mode": "token_mask"}, "is_mode"),
+        ({"log_ratio_clamp": 0.0}, "log_ratio_clamp"),
+    ],
+)
+def test_config_validation(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        LossConfig(**kwargs)
+    with pytest.raises(TypeError):
+        LossConfig(0.2)  # keyword-only
+
+
+@pytest.mark.parametrize(
+    "config, overrides, name",
+    [
+        (LossConfig(), {"advantages": ADV[:, :5]}, "advantages"),
+        (LossConfig(), {"sample_ids": SAMPLE[0]}, "sample_ids"),
+        (LossConfig(), {"old_logprobs": LP[:, :3]}, "old_logprobs"),
+        (LossConfig(), {"logprobs_complete": COMPLETE.float()}, "logprobs_complete"),
+        (LossConfig(), {"num_tokens": 0}, "num_tokens"),
+        (LossConfig(), {"num_sequences": 0}, "num_sequences"),
+        (LossConfig(beta=0.1), {}, "ref_logprobs"),
+        (LossConfig(is_mode="turn_mask"), {"segment_ids": None}, "segment_ids"),
+    ],
+)
+def test_bad_loss_input(config, overrides, name):
+    with pytest.raises(ValueError, match=name):
+        run(config, **overrides)
+
+
+def test_empty_logprobs_and_unknown_is_mode():
+    with pytest.raises(ValueError, match="logprobs"):
+        run(LossConfig(), lp=torch.zeros(1, 0), loss_mask=MASK[:, :0])
+    with pytest.raises(ValueError, match="mode"):
+        importance_weights(torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool), mode="token", threshold=2.0)
+
+
+def test_merge_metrics_sums_and_maxes():
+    _, _, a = run(LossConfig(is_mode="token_truncate"))
+    _, _, b = run(LossConfig(is_mode="token_truncate", is_threshold=5.0))
+    merged = merge_metrics(a, b)
+    assert merged["tokens"].item() == 10
+    assert merged["is/weight/max"].item() == pytest.approx(4.0)  # max(2, 4), not 6
+    with pytest.raises(ValueError, match="keys"):
+        merge_metrics(a, {"tokens": a["tokens"]})
+
+
+def _trajectories(vocab):
+    g = torch.Generator().manual_seed(3)
+
+    def ids(n):
+        return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+    def lps(n):
+        return (-torch.rand(n, generator=g) * 3).tolist()
+
+    def span(s, e):
+        return TurnSpan(start=s, end=e, speaker="policy", trained=True)
+
+    # 1: prompt 4, turn 3, env 2, turn 4 (complete)  2: prompt 3, turn 5 (no logprobs)
+    # 3: prompt 2, turn 2, env 3, turn 2, env 1 (complete)
+    return [
+        Trajectory(token_ids=ids(13), loss_mask=[0] * 4 + [1] * 3 + [0] * 2 + [1] * 4,
+                   rollout_logprobs=lps(7), turns=[span(4, 7), span(9, 13)]),
+        Trajectory(token_ids=ids(8), loss_mask=[0] * 3 + [1] * 5, rollout_logprobs=None, turns=[span(3, 8)]),
+        Trajectory(token_ids=ids(10), loss_mask=[0, 0, 1, 1, 0, 0, 0, 1, 1, 0], rollout_logprobs=lps(4),
+                   turns=[span(2, 4), span(7, 9)]),
+    ]  # fmt: skip
+
+
+def _model_loss_and_grads(model, batch, config):
+    model.zero_grad()
+    if batch.layout == "packed":
+        attn = block_causal_mask(batch.sample_ids)  # [1, 1, T, T]: samples do not see each other
+    else:
+        attn = batch.sample_ids >= 0  # [N, T] right padding
+    logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=attn).logits
+    lp = token_logprobs(logits, batch.targets, temperature=0.9)
+    ref = lp.detach() + 0.05 * torch.cos(batch.targets.float())  # a fixed, layout-independent offset
+    loss, metrics = batch_loss(
+        lp, batch, config, ref_logprobs=ref, num_tokens=batch.num_loss_tokens, num_sequences=batch.num_samples
+    )
+    loss.backward()
+    return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}, metrics
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        LossConfig(is_mode="turn_truncate", is_threshold=1.5, beta=0.1, aggregation="seq-mean-token-mean"),
+        LossConfig(is_mode="token_mask", kl_estimator="k2", beta=0.05, epsilon_high=0.28),
+    ],
+)
+def test_packed_and_padded_give_the_same_loss_and_gradients(tiny, config):
+    model, _ = tiny
+    trajs = _trajectories(model.config.vocab_size)
+    adv = [1.0, -0.5, 0.25]
+    packed = build_batch(trajs, adv, layout="packed", pad_to_multiple=8)
+    padded = build_batch(trajs, adv, layout="padded", pad_to_multiple=8)
+    loss_p, grads_p, m_p = _model_loss_and_grads(model, packed, config)
+    loss_d, grads_d, m_d = _model_loss_and_grads(model, padded, config)
+    assert loss_p.abs() > 0
+    torch.testing.assert_close(loss_p, loss_d, rtol=1e-5, atol=1e-6)
+    for name in grads_p:
+        torch.testing.assert_close(grads_p[name], grads_d[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert m_p["is/samples_corrected"].item() == m_d["is/samples_corrected"].item() == 2
+    for key in m_p:
+        torch.testing.assert_close(m_p[key], m_d[key], rtol=1e-4, atol=1e-5, msg=key)
