@@ -221,3 +221,54 @@ def _single_rank_group() -> Any:
         if r == rank():
             out = g
     return out
+
+
+# --- process-group set-up for the trainers (appended for trainers/) ---------------------------
+
+
+def init_distributed(*, timeout_s: float = 1800.0) -> None:
+    """Initialise torch.distributed from torchrun's environment (gloo on CPU, NCCL on GPU).
+
+    A plain `python` run (no RANK in the environment) becomes a one-rank gloo world, so the
+    trainers take one code path.
+    """
+    import os
+
+    if is_initialized():
+        return
+    if "RANK" not in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_megatron(tensor_parallel_size: int) -> None:
+    """megatron-core's parallel_state for TP x DP over the world (TP must divide it)."""
+    from megatron.core import parallel_state as ps
+
+    if world_size() % tensor_parallel_size:
+        raise ValueError(f"TP size {tensor_parallel_size} does not divide the world size {world_size()}")
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size)
+
+
+def destroy() -> None:
+    """Tear down megatron's parallel_state (if set) and the process group."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,260 @@
+"""`GRPOTrainer`: the outer loop shared by the backends, and the methods a custom trainer overrides.
+
+One step::
+
+    rows     = self.rows_for_step(step)                # data position = the step number
+    rollout  = self.generate_rollouts(rows, step)      # RolloutMixin: rollout, reward, advantages
+    metrics  = self.train_on(rollout)                  # micro-batches, GRPO loss, optimizer step
+    self.log_step(...); self.maybe_save(step + 1)
+
+A backend implements `policy_logprobs`, `reference_logprobs`, `backward`, `optimizer_step`,
+`save_state` and `load_state`. A custom trainer usually overrides `compute_rewards`,
+`build_conversation` (the lineup), `scheduler`, `rows_for_step` or `loss`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from interlens_mcore import parallel
+from interlens_mcore.batch import TrainingBatch
+from interlens_mcore.envs import guess_tasks
+from interlens_mcore.loss import LossConfig, batch_loss, finalize_metrics, merge_metrics
+from interlens_mcore.mixin import Rollout, RolloutConfig, RolloutMixin
+from interlens_mcore.sampling import mix_seed
+
+from . import checkpoint
+from .metrics_log import MetricsLog
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    """The outer loop and optimizer."""
+
+    steps: int = 60
+    prompts_per_rank: int = 4  # rows per rank per step; each becomes num_generations samples
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    updates_per_rollout: int = 1  # optimizer steps per rollout batch (> 1: old logprobs recomputed)
+    save_every: int = 10  # steps between checkpoints (the last step is always saved)
+    seed: int = 0
+    output_dir: str = "runs/grpo"
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "prompts_per_rank", "updates_per_rollout", "save_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TrainerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ValueError(f"TrainerConfig.lr must be > 0, got {self.lr}")
+
+
+class GRPOTrainer(RolloutMixin, ABC):
+    """GRPO on multi-turn rollouts; subclasses supply the model backend."""
+
+    def __init__(
+        self,
+        *,
+        config: TrainerConfig,
+        rollout_config: RolloutConfig,
+        loss_config: LossConfig,
+        groups: parallel.ParallelGroups,
+        tokenizer: Any,
+        run_info: dict | None = None,
+    ):
+        self.config, self.rollout_config, self.loss_config = config, rollout_config, loss_config
+        self.groups, self.tokenizer = groups, tokenizer
+        self.run_info = run_info or {}
+        self.output_dir = Path(config.output_dir)
+        self.step = 0
+
+    # -- backend ------------------------------------------------------------------------------
+    @abstractmethod
+    def policy_logprobs(self, batch: TrainingBatch) -> torch.Tensor:
+        """[B, T] logprobs of batch.targets under the trained model, with gradient."""
+
+    @abstractmethod
+    def reference_logprobs(self, batch: TrainingBatch) -> torch.Tensor | None:
+        """[B, T] logprobs under the frozen reference model, or None when there is none."""
+
+    @abstractmethod
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def optimizer_step(self) -> float:
+        """Clip, step, zero the gradients; returns the gradient norm."""
+
+    @abstractmethod
+    def save_state(self, folder: Path) -> None:
+        """Write model and optimizer state of this rank into `folder` (collective)."""
+
+    @abstractmethod
+    def load_state(self, folder: Path) -> None: ...
+
+    # -- data -----------------------------------------------------------------------------------
+    def rows_for_step(self, step: int) -> list[Any]:
+        """This rank's rows: a pure function of (seed, step, rank), so resuming replays them."""
+        seed = mix_seed(self.config.seed, step, self.groups.rank)
+        return guess_tasks(self.config.prompts_per_rank, seed=seed)
+
+    # -- the loop -------------------------------------------------------------------------------
+    def train(self) -> list[dict]:
+        """Run (or continue) to `config.steps`; returns the metrics of the steps run here."""
+        log = MetricsLog(
+            self.output_dir, total=self.config.steps, start=self.step, enabled=self.groups.rank == 0
+        )
+        records = []
+        try:
+            while self.step < self.config.steps:
+                t0 = time.perf_counter()
+                rollout = self.generate_rollouts(self.rows_for_step(self.step), self.step)
+                t1 = time.perf_counter()
+                train_metrics = self.train_on(rollout)
+                t2 = time.perf_counter()
+                record = self.step_record(rollout, train_metrics, rollout_s=t1 - t0, train_s=t2 - t1)
+                log.log(record)
+                records.append(record)
+                self.step += 1
+                if self.step % self.config.save_every == 0 or self.step == self.config.steps:
+                    self.save_checkpoint()
+        finally:
+            log.close()
+        return records
+
+    def train_on(self, rollout: Rollout) -> dict[str, float]:
+        """`updates_per_rollout` optimizer steps on this rollout; returns the finalized metrics."""
+        batches = self.training_batches(rollout)
+        placeholder = self._placeholder(rollout)
+        counts = torch.tensor(
+            [sum(b.num_loss_tokens for b in batches if b), sum(b.num_samples for b in batches if b)],
+            dtype=torch.float64,
+        )
+        # global denominators: the loss of every micro-batch on every DP rank sums to the mean
+        num_tokens, num_sequences = parallel.all_reduce(counts, group=self.groups.dp).tolist()
+        if num_tokens == 0:  # nothing trainable anywhere (e.g. every group dropped)
+            return {"grad_norm": 0.0, "skipped": 1.0}
+        old = None
+        if self.config.updates_per_rollout > 1:
+            with torch.no_grad():
+                old = [self.policy_logprobs(b).detach() if b else None for b in batches]
+        refs = [self.reference_logprobs(b) if b else None for b in batches]
+        for _ in range(self.config.updates_per_rollout):
+            sums = None
+            for i, batch in enumerate(batches):
+                real = batch is not None
+                mb = batch if real else placeholder
+                lp = self.policy_logprobs(mb)
+                kwargs = dict(
+                    old_logprobs=old[i] if old and real else None, ref_logprobs=refs[i] if real else None
+                )
+                if not real and self.loss_config.beta > 0:
+                    kwargs["ref_logprobs"] = lp.detach()
+                loss, metrics = self.loss(
+                    lp, mb, num_tokens=num_tokens, num_sequences=num_sequences, **kwargs
+                )
+                # a rank with no rows still joins the gradient all-reduce, contributing zero
+                self.backward(loss if real else loss * 0.0)
+                if real:
+                    sums = metrics if sums is None else merge_metrics(sums, metrics)
+            grad_norm = self.optimizer_step()
+        return {**self._reduce_metrics(sums), "grad_norm": grad_norm}
+
+    def loss(self, logprobs: torch.Tensor, batch: TrainingBatch, **kwargs) -> tuple[torch.Tensor, dict]:
+        """The GRPO loss of one micro-batch (already divided by the global denominators)."""
+        return batch_loss(logprobs, batch, self.loss_config, **kwargs)
+
+    def _placeholder(self, rollout: Rollout) -> TrainingBatch:
+        # stands in for an empty micro-batch so collectives stay aligned; its loss is scaled by 0
+        first = next(t for t in rollout.trajectories if t.num_trained_tokens > 0)
+        from interlens_mcore.batch import build_batch
+
+        cfg = self.rollout_config
+        return build_batch([first], [0.0], layout=cfg.layout, pad_to_multiple=cfg.pad_to_multiple)
+
+    def _reduce_metrics(self, sums: dict | None) -> dict[str, float]:
+        """Sum (max for '/max') the loss metric sums over the DP group, then finalize."""
+        if sums is None:  # this rank had nothing; its zeros still join the reductions
+            sums = _zero_metrics()
+        keys = sorted(sums)
+        plain = torch.stack([sums[k].double() for k in keys if not k.endswith("/max")])
+        peak = torch.stack([sums[k].double() for k in keys if k.endswith("/max")])
+        parallel.all_reduce(plain, "sum", self.groups.dp)
+        parallel.all_reduce(peak, "max", self.groups.dp)
+        merged = dict(zip([k for k in keys if not k.endswith("/max")], plain.tolist()))
+        merged.update(zip([k for k in keys if k.endswith("/max")], peak.tolist()))
+        return finalize_metrics(merged)
+
+    def step_record(self, rollout: Rollout, m: dict[str, float], *, rollout_s: float, train_s: float) -> dict:
+        """The metrics.jsonl line: rewards over every DP rank, loss and IS figures, timings."""
+        rewards = torch.cat(parallel.all_gather_object(rollout.rewards, group=self.groups.dp))
+        turns = [t.infos.get("turns", 0) for t in rollout.trajectories]
+        return {
+            "step": self.step,
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+            "loss": m.get("loss/policy", 0.0) + m.get("loss/kl", 0.0),
+            "kl": m.get("kl/ref", 0.0),
+            "is_kl_k3": m.get("is/kl_k3", 0.0),
+            "is_sample_fraction": m.get("is/sample_fraction", 0.0),
+            "is_weight_mean": m.get("is/weight_mean", 0.0),
+            "is_weight_max": m.get("is/weight/max", 0.0),
+            "clip_fraction": m.get("clip/fraction", 0.0),
+            "grad_norm": m["grad_norm"],
+            "tokens": int(m.get("tokens", 0.0)),
+            "turns_mean": sum(turns) / max(1, len(turns)),
+            "rollout_s": round(rollout_s, 3),
+            "train_s": round(train_s, 3),
+        }
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    @property
+    def checkpoint_root(self) -> Path:
+        return self.output_dir / "checkpoints"
+
+    def save_checkpoint(self) -> Path:
+        def write(folder: Path) -> None:
+            self.save_state(folder)
+            state = {"step": self.step, "rng": checkpoint.rng_state()}
+            torch.save(state, folder / f"trainer-rank{self.groups.rank:05d}.pt")
+
+        return checkpoint.save(self.checkpoint_root, self.step, write, meta={"run": self.run_info})
+
+    def resume(self) -> int:
+        """Load the newest complete checkpoint, if any; returns the step to continue from."""
+        checkpoint.clean_stale(self.checkpoint_root)
+        parallel.barrier()
+        folder = checkpoint.latest(self.checkpoint_root)
+        if folder is None:
+            return self.step
+        self.load_state(folder)
+        state = torch.load(folder / f"trainer-rank{self.groups.rank:05d}.pt", weights_only=False)
+        checkpoint.set_rng_state(state["rng"])
+        self.step = int(state["step"])
+        return self.step
+
+    def describe(self) -> dict:
+        return {k: asdict(v) for k, v in (("trainer", self.config), ("rollout", self.rollout_config))}
+
+
+def _zero_metrics() -> dict[str, torch.Tensor]:
+    """The metric keys of `grpo_loss`, all zero (for a rank that trained on nothing)."""
+    from interlens_mcore.batch import build_batch
+    from interlens_mcore.trajectory import Trajectory
+
+    t = Trajectory(token_ids=[0, 1], loss_mask=[0, 1], rollout_logprobs=None)
+    b = build_batch([t], [0.0])
+    _, m = batch_loss(torch.zeros(b.input_ids.shape), b, LossConfig(), num_tokens=1, num_sequences=1)
+    return {k: torch.zeros(()) for k in m}
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
+    tmp.replace(path)

@@ -1,0 +1,105 @@
+"""`DeepSpeedGRPOTrainer`: a `transformers` causal LM under DeepSpeed ZeRO stage 1, 2 or 3.
+
+Placement: every rank is a DP replica (ZeRO shards optimizer state, gradients and, at stage
+3, the parameters over the DP group). At stage 3 every forward gathers parameters across the
+DP group, so generation is collective over it: the HF engine runs in lockstep mode
+(`sync_group`) and the rollout vote covers the same group. Below stage 3 each rank generates
+on its own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from interlens_mcore.batch import TrainingBatch
+from interlens_mcore.engine import HFEngine
+from interlens_mcore.logprobs import token_logprobs
+
+from .base import GRPOTrainer
+
+
+def deepspeed_config(
+    *, zero_stage: int, lr: float, weight_decay: float, grad_clip: float, micro_batches: int
+) -> dict:
+    """The DeepSpeed JSON config the trainer uses by default (users may pass their own)."""
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        # the trainer calls backward once per micro-batch and step() after each; DeepSpeed
+        # applies the optimizer at the accumulation boundary
+        "gradient_accumulation_steps": micro_batches,
+        "gradient_clipping": grad_clip,
+        "zero_optimization": {"stage": zero_stage},
+        "optimizer": {
+            "type": "AdamW",
+            # torch's AdamW: DeepSpeed's fused one needs CUDA
+            "params": {"lr": lr, "weight_decay": weight_decay, "torch_adam": True},
+        },
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+class DeepSpeedGRPOTrainer(GRPOTrainer):
+    """GRPO with an HF model wrapped by `deepspeed.initialize` from a JSON config dict."""
+
+    def __init__(self, *, model_path: str | Path, ds_config: dict, **kwargs: Any):
+        import deepspeed
+        from transformers import AutoModelForCausalLM
+
+        super().__init__(**kwargs)
+        if self.rollout_config.layout != "padded":
+            raise ValueError("DeepSpeedGRPOTrainer needs RolloutConfig.layout='padded' (HF attention masks)")
+        self.model_path = Path(model_path)
+        self.zero_stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
+        self.micro_batches = int(ds_config.get("gradient_accumulation_steps", 1))
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        self.reference = None
+        if self.loss_config.beta > 0:
+            self.reference = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+            self.reference.eval().requires_grad_(False)
+        self.ds, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=ds_config
+        )
+        sync = self.groups.dp if self.zero_stage == 3 else None
+        self.engine = HFEngine(self.ds.module, self.tokenizer, sync_group=sync)
+        if self.zero_stage == 3 and sync is None and self.groups.dp_size > 1:
+            raise AssertionError("ZeRO-3 needs the DP group for lockstep generation")
+
+    def _logprobs(self, model: torch.nn.Module, batch: TrainingBatch) -> torch.Tensor:
+        attention = (batch.sample_ids >= 0).long()  # [N, T] right padding
+        logits = model(
+            input_ids=batch.input_ids, attention_mask=attention, position_ids=batch.position_ids
+        ).logits
+        t = self.rollout_config.temperature or 1.0
+        return token_logprobs(logits, batch.targets, temperature=t)  # [N, T]
+
+    def policy_logprobs(self, batch: TrainingBatch) -> torch.Tensor:
+        self.ds.train()
+        return self._logprobs(self.ds, batch)
+
+    def reference_logprobs(self, batch: TrainingBatch) -> torch.Tensor | None:
+        if self.reference is None:
+            return None
+        with torch.no_grad():
+            return self._logprobs(self.reference, batch)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # DeepSpeed averages over DP ranks and divides by the accumulation steps; the loss is
+        # already divided by the global token count, so undo both
+        self.ds.backward(loss * self.groups.dp_size * self.micro_batches)
+        self.ds.step()
+
+    def optimizer_step(self) -> float:
+        norm = self.ds.get_global_grad_norm()
+        return float(norm) if norm is not None else 0.0
+
+    def save_state(self, folder: Path) -> None:
+        self.ds.save_checkpoint(str(folder), tag="deepspeed")
+
+    def load_state(self, folder: Path) -> None:
+        path, _ = self.ds.load_checkpoint(str(folder), tag="deepspeed")
+        if path is None:
+            raise ValueError(f"checkpoint {folder} holds no DeepSpeed state")

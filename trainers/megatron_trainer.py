@@ -1,0 +1,121 @@
+"""`MegatronGRPOTrainer`: a megatron-core GPTModel converted from an HF folder, TP x DP.
+
+Placement: megatron's parallel_state splits the world into TP groups (one model shard each)
+and DP groups (replicas). The rollout group is the TP group of one DP index: its ranks bring
+distinct conversations to each (collective) generation call, then share their trajectories,
+because a TP forward needs identical inputs on every rank of the group.
+
+On CPU megatron's DistributedDataParallel and optimizer need CUDA, so gradients are averaged
+by torch DDP over the DP group and a torch AdamW steps; on GPU megatron's own are used.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from interlens_mcore import parallel
+from interlens_mcore.batch import TrainingBatch
+from interlens_mcore.logprobs import token_logprobs, vocab_parallel_token_logprobs
+from interlens_mcore.megatron import build_model, export_hf, forward_logits, load_hf_weights, load_layout
+from interlens_mcore.megatron.model import vocab_start
+from interlens_mcore.mixin import Rollout
+
+from .base import GRPOTrainer
+from .megatron_engine import MegatronEngine
+
+
+class MegatronGRPOTrainer(GRPOTrainer):
+    """GRPO with a megatron-core model; `parallel.init_megatron(tp)` must have run."""
+
+    def __init__(self, *, model_path: str | Path, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.model_path = Path(model_path)
+        self.layout = load_layout(self.model_path)
+        self.model = build_model(self.layout, init_weights=False)
+        load_hf_weights(self.model, self.layout, self.model_path)
+        self.reference = None
+        if self.loss_config.beta > 0:
+            # a second model from the same folder (megatron modules hold process groups: no deepcopy)
+            self.reference = build_model(self.layout, init_weights=False).eval().requires_grad_(False)
+            load_hf_weights(self.reference, self.layout, self.model_path)
+        self.train_model = self._wrap_ddp(self.model)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=self.config.lr, weight_decay=self.config.weight_decay
+        )
+        self.engine = MegatronEngine(
+            self.model, self.layout, group=self.groups.rollout, tp_group=self.groups.tp
+        )
+
+    def _wrap_ddp(self, model: torch.nn.Module) -> torch.nn.Module:
+        if self.groups.dp_size == 1:
+            return model
+        if torch.cuda.is_available():  # megatron's DDP and optimizer need CUDA
+            raise NotImplementedError("MegatronGRPOTrainer: the GPU path (megatron DDP) is not wired yet")
+        return torch.nn.parallel.DistributedDataParallel(model, process_group=self.groups.dp)
+
+    # -- rollouts: TP ranks share their trajectories ---------------------------------------------
+    def generate_rollouts(self, rows, step: int) -> Rollout:
+        mine = super().generate_rollouts(rows, step)
+        if self.groups.tp_size == 1:
+            return mine
+        parts = parallel.all_gather_object(mine, group=self.groups.tp)
+        return Rollout(
+            trajectories=[t for p in parts for t in p.trajectories],
+            advantages=torch.cat([p.advantages for p in parts]),
+            keep=torch.cat([p.keep for p in parts]),
+        )
+
+    # -- backend --------------------------------------------------------------------------------
+    def _logprobs(self, model: torch.nn.Module, batch: TrainingBatch) -> torch.Tensor:
+        if batch.layout != "packed" or batch.num_tokens != batch.input_ids.shape[1]:
+            raise ValueError("MegatronGRPOTrainer needs packed batches without padding (pad_to_multiple=1)")
+        logits = forward_logits(model, self.layout, batch.input_ids, batch.cu_seqlens)  # [T, V_pad / tp]
+        targets = batch.targets[0]  # [T]
+        t = self.rollout_config.temperature or 1.0
+        if self.groups.tp_size == 1:
+            lp = token_logprobs(logits, targets, temperature=t)
+        else:
+            lp = vocab_parallel_token_logprobs(
+                logits, targets, vocab_start=vocab_start(self.layout), temperature=t, group=self.groups.tp
+            )
+        return lp[None]  # [1, T]
+
+    def policy_logprobs(self, batch: TrainingBatch) -> torch.Tensor:
+        self.train_model.train()
+        return self._logprobs(self.train_model, batch)
+
+    def reference_logprobs(self, batch: TrainingBatch) -> torch.Tensor | None:
+        if self.reference is None:
+            return None
+        with torch.no_grad():
+            return self._logprobs(self.reference, batch)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # DDP averages gradients over DP, but the loss is already divided by global counts
+        (loss * self.groups.dp_size).backward()
+
+    def optimizer_step(self) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def save_state(self, folder: Path) -> None:
+        # DP replicas are identical: one file per TP rank, written by DP rank 0
+        if parallel.rank(self.groups.dp) == 0:
+            tp_rank = parallel.rank(self.groups.tp)
+            state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+            torch.save(state, folder / f"model-tp{tp_rank:02d}.pt")
+
+    def load_state(self, folder: Path) -> None:
+        tp_rank = parallel.rank(self.groups.tp)
+        state = torch.load(folder / f"model-tp{tp_rank:02d}.pt", weights_only=False)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def export_hf(self, out_dir: str | Path) -> Path:
+        """The trained weights as an HF folder (collective over the world)."""
+        return export_hf(self.model, self.layout, self.model_path, out_dir)
