@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
-from options import Options, UsageError
+from options import Options, UsageError, model_folder
 
 from interlens_mcore import parallel
-from interlens_mcore.assets import ensure_tiny_model
 from interlens_mcore.loss import LossConfig
 from interlens_mcore.mixin import RolloutConfig
 from trainers import DeepSpeedGRPOTrainer, GRPOTrainer, MegatronGRPOTrainer, TrainerConfig, deepspeed_config
@@ -54,17 +52,12 @@ def configs(opts: Options) -> tuple[TrainerConfig, RolloutConfig, LossConfig]:
     return trainer, rollout, loss
 
 
-def model_path(opts: Options) -> Path:
-    """--model, or the tiny local model (built once, atomically, so ranks may race)."""
-    return Path(opts.model) if opts.model is not None else ensure_tiny_model()
-
-
 def build_trainer(opts: Options, run_info: dict) -> GRPOTrainer:
     """Collective: process groups, the model and the trainer for --backend."""
     from transformers import AutoTokenizer
 
     trainer_cfg, rollout_cfg, loss_cfg = configs(opts)
-    path = model_path(opts)
+    path = model_folder(opts)
     tokenizer = AutoTokenizer.from_pretrained(path)
     common = dict(
         config=trainer_cfg,

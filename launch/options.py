@@ -151,13 +151,19 @@ def validate(opts: Options) -> None:
             f"--num-generations {opts.num_generations} does not fit --batch-size {opts.batch_size}: "
             "the batch must hold whole groups (a positive multiple of num_generations)"
         )
-    if opts.model is not None:
-        config = Path(opts.model) / "config.json"
-        if not config.is_file():
-            raise UsageError(f"--model {opts.model}: not an HF checkpoint folder (no config.json)")
-        check_heads(json.loads(config.read_text()), opts.tp, opts.model)
+    if opts.model is not None and not (Path(opts.model) / "config.json").is_file():
+        raise UsageError(f"--model {opts.model}: not an HF checkpoint folder (no config.json)")
+    folder = model_folder(opts)
+    check_heads(json.loads((folder / "config.json").read_text()), opts.tp, str(folder))
     if opts.export_hf is not None and opts.backend != "megatron":
         raise UsageError("--export-hf is available with --backend megatron only")
+
+
+def model_folder(opts: Options) -> Path:
+    """--model, or the tiny local model (built once, atomically, so ranks may race)."""
+    from interlens_mcore.assets import ensure_tiny_model
+
+    return Path(opts.model) if opts.model is not None else ensure_tiny_model()
 
 
 def check_heads(hf_config: dict, tp: int, where: str) -> None:

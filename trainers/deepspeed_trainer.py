@@ -31,7 +31,9 @@ def deepspeed_config(
         # applies the optimizer at the accumulation boundary
         "gradient_accumulation_steps": micro_batches,
         "gradient_clipping": grad_clip,
-        "zero_optimization": {"stage": zero_stage},
+        # persistence threshold 0: ZeRO-3 otherwise keeps small parameters gathered, and a gather
+        # made inside the engine's inference_mode would leave inference tensors for backward
+        "zero_optimization": {"stage": zero_stage, "stage3_param_persistence_threshold": 0},
         "optimizer": {
             "type": "AdamW",
             # torch's AdamW: DeepSpeed's fused one needs CUDA
@@ -63,10 +65,9 @@ class DeepSpeedGRPOTrainer(GRPOTrainer):
         self.ds, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=ds_config
         )
-        sync = self.groups.dp if self.zero_stage == 3 else None
+        # the lockstep flag is a CPU tensor: it rides the gloo vote group over the same ranks
+        sync = self.groups.vote if self.zero_stage == 3 else None
         self.engine = HFEngine(self.ds.module, self.tokenizer, sync_group=sync)
-        if self.zero_stage == 3 and sync is None and self.groups.dp_size > 1:
-            raise AssertionError("ZeRO-3 needs the DP group for lockstep generation")
 
     def _logprobs(self, model: torch.nn.Module, batch: TrainingBatch) -> torch.Tensor:
         attention = (batch.sample_ids >= 0).long()  # [N, T] right padding
