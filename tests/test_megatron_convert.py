@@ -7,7 +7,6 @@ untied with a vocabulary of 515, so TP=2 pads it to 516 and the padded row is ex
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -75,12 +74,9 @@ def _convert_job(rank, world_size, paths: dict[str, str], out_dir: str):
 
 
 @pytest.fixture(scope="module")
-def tiny_llama_path(tmp_path_factory):
-    base = os.environ.get("INTERLENS_ASSETS")
-    root = Path(base) if base else tmp_path_factory.mktemp("assets")
-    return ensure_tiny_model(
-        root / "tiny-llama-v515-untied", arch="llama", vocab_size=515, tie_word_embeddings=False
-    )
+def tiny_llama_path():
+    # cached in the asset dir; a larger init than the default makes the logits O(1)
+    return ensure_tiny_model(arch="llama", vocab_size=515, tie_word_embeddings=False, initializer_range=0.1)
 
 
 @pytest.fixture(scope="module")
@@ -97,10 +93,11 @@ def test_logits_equal_hf(converted, family, tp):
     results, _, _ = converted
     for rank_result in results:
         diffs = rank_result["logits"][family, tp]
-        assert diffs["scale"] > 0.1  # the comparison is not between near-zero logits
-        # float32 rounding only: measured about 5e-7 (TP=1) and 6e-7 (TP=2) on logits of scale ~1
-        assert diffs["packed"] < 1e-5, diffs
-        assert diffs["unpacked"] < 1e-5, diffs
+        assert diffs["scale"] > 1.0  # the comparison is not between near-zero logits
+        # float32 rounding only. Measured max |diff| / max |logit|: TP=1 3.9e-6 / 4.2 (packed;
+        # unpacked is bit-exact), TP=2 3.8e-6 / 4.2 (Llama); Qwen2 about 5e-7 / 1.3
+        assert diffs["packed"] < 1e-5 * diffs["scale"], diffs
+        assert diffs["unpacked"] < 1e-5 * diffs["scale"], diffs
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])

@@ -4,9 +4,11 @@ Importing this subpackage imports megatron-core; the rest of interlens_mcore doe
 """
 
 from .convert import export_hf, gather_hf_state_dict, load_hf_weights
+from .engine import MegatronEngine, sample_vocab_parallel
 from .model import ModelLayout, build_model, forward_logits, layout_from_hf_config, load_layout
 
 __all__ = [
+    "MegatronEngine",
     "ModelLayout",
     "build_model",
     "export_hf",
@@ -15,4 +17,5 @@ __all__ = [
     "layout_from_hf_config",
     "load_hf_weights",
     "load_layout",
+    "sample_vocab_parallel",
 ]

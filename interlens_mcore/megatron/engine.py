@@ -1,0 +1,157 @@
+"""Generation with the megatron-core GPTModel being trained (colocated), under tensor parallelism.
+
+A generate call is collective over the rollout group: every rank passes its own requests (an
+idle rank passes none but still calls), the ranks gather them, run the same TP-sharded forward
+on the union and each keeps its own rows. The rollout group must contain whole TP groups (the
+TP group itself, or TP x PP x CP ranks sharing a DP index) so that every rank of a TP group
+runs the forward on identical inputs.
+
+Sampling never gathers the vocabulary: each TP rank perturbs its logit shard with the
+counter-based Gumbel noise of `sampling.perturbed_scores` (the noise of a token depends only
+on the row's seed, the step and the token id), takes its local maximum, and one max all-reduce
+picks the token, so TP=2 samples exactly what TP=1 samples for the same seeds. Logprobs come
+from a vocab-parallel log-sum-exp.
+
+Each step recomputes the whole packed (THD) batch of active rows: no key/value cache. That
+costs O(sum of lengths) forward work per token instead of O(rows), acceptable for the short
+turns of tests and small models; it keeps one forward path (`forward_logits`) for training
+and generation, on CPU and GPU alike.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import parallel
+from ..engine import EngineStats, Generation, GenerationRequest, check_context
+from ..sampling import perturbed_scores
+from .model import ModelLayout, forward_logits, vocab_start
+
+
+def sample_vocab_parallel(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    seeds: torch.Tensor,
+    steps: torch.Tensor,
+    start: int,
+    group: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row from vocab-sharded logits; collective over the TP `group`.
+
+    logits: [B, V_local] for global ids [start, start + V_local), padded ids already -inf.
+    Returns (token ids [B], logprobs [B]) identical on every rank, with the semantics of
+    `sampling.sample_full_vocab`: greedy rows (T == 0) report the logprob under T = 1.
+    """
+    width = logits.shape[-1]
+    scores = perturbed_scores(logits, temperatures, seeds, steps, vocab_start=start)  # [B, V_local]
+    local_best, local_idx = scores.max(dim=-1)  # first index on ties within the shard
+    best = parallel.all_reduce(local_best.clone(), "max", group)
+    # ties across shards go to the lowest global id, as argmax over the full vocabulary does
+    no_claim = torch.full_like(local_idx, torch.iinfo(torch.int64).max)
+    claims = torch.where(local_best == best, local_idx + start, no_claim)
+    tokens = parallel.all_reduce(claims, "min", group)  # [B]
+
+    t = torch.where(temperatures <= 0, torch.ones_like(temperatures), temperatures)
+    scaled = logits.float() / t[:, None]  # [B, V_local]
+    row_max = parallel.all_reduce(scaled.max(dim=-1).values, "max", group)  # [B]
+    owned = (tokens >= start) & (tokens < start + width)
+    picked = scaled.gather(-1, (tokens - start).clamp(0, width - 1)[:, None]).squeeze(-1)
+    sums = torch.stack([(scaled - row_max[:, None]).exp().sum(-1), torch.where(owned, picked, 0.0)])
+    sums = parallel.all_reduce(sums, "sum", group)  # [2, B]: softmax denominators, picked logits
+    return tokens, sums[1] - row_max - sums[0].log()
+
+
+@dataclass
+class MegatronEngine:
+    """The Engine protocol over a megatron GPTModel; `generate` is collective over `group`.
+
+    Example (on every rank of the rollout group, here the TP group)::
+
+        engine = MegatronEngine(model, layout, group=parallel.megatron_tp_group())
+        outs = engine.generate(my_requests)  # [] on an idle rank, while any rank works
+    """
+
+    model: torch.nn.Module  # the bare GPTModel (this rank's TP shard)
+    layout: ModelLayout
+    group: Any = None  # the rollout group (None: the world); must contain whole TP groups
+    tp_group: Any = None  # the model's TP group (None: megatron's), for vocab-parallel sampling
+    name: str = "policy"
+    max_context: int = 0  # 0: the layout's max_position
+    stats: EngineStats = field(default_factory=EngineStats)
+
+    def __post_init__(self) -> None:
+        if not self.max_context:
+            self.max_context = self.layout.max_position
+        if self.tp_group is None:
+            self.tp_group = parallel.megatron_tp_group()
+
+    @torch.inference_mode()
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
+        mine = list(requests)
+        per_rank = parallel.all_gather_object(mine, self.group)
+        union = [r for rank_requests in per_rank for r in rank_requests]
+        offset = sum(len(x) for x in per_rank[: parallel.rank(self.group)])
+        if not union:
+            return []
+        # validated on the union, so every rank raises the same error instead of some hanging
+        caps = check_context(union, self.max_context)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            outs = self._generate(union, caps)
+        finally:
+            self.model.train(was_training)
+        outs = outs[offset : offset + len(mine)]
+        self.stats.generated_tokens += sum(len(g.token_ids) for g in outs)
+        return outs
+
+    def _forward_last(self, seqs: list[list[int]]) -> torch.Tensor:
+        """Logits shard [B, V_local] at the last token of each sequence (packed forward)."""
+        lengths = torch.tensor([len(s) for s in seqs])
+        cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+        cu[1:] = lengths.cumsum(0)
+        ids = torch.tensor([[t for s in seqs for t in s]], dtype=torch.long)  # [1, T]
+        t0 = time.perf_counter()
+        logits = forward_logits(self.model, self.layout, ids, cu)  # [T, V_local]
+        self.stats.forward_s += time.perf_counter() - t0
+        self.stats.forwards += 1
+        return logits[cu[1:].long() - 1].float().cpu()
+
+    def _generate(self, requests: list[GenerationRequest], caps: list[int]) -> list[Generation]:
+        b = len(requests)
+        seqs = [list(r.prompt_ids) for r in requests]
+        temps = torch.tensor([r.temperature for r in requests], dtype=torch.float32)
+        seeds = torch.tensor([r.seed for r in requests], dtype=torch.int64)
+        stops = [set(r.stop_token_ids) for r in requests]
+        out_ids: list[list[int]] = [[] for _ in range(b)]
+        out_lp: list[list[float]] = [[] for _ in range(b)]
+        reasons = ["length"] * b
+        active = [i for i in range(b) if caps[i] > 0]
+        start = vocab_start(self.layout)
+        step = 0
+        while active:
+            logits = self._forward_last([seqs[i] for i in active])
+            rows = torch.tensor(active)
+            steps = torch.full((len(active),), step, dtype=torch.int64)
+            tokens, logp = sample_vocab_parallel(
+                logits, temps[rows], seeds[rows], steps, start, self.tp_group
+            )
+            still = []
+            for i, tok, lp in zip(active, tokens.tolist(), logp.tolist(), strict=True):
+                out_ids[i].append(tok)
+                out_lp[i].append(lp)
+                seqs[i].append(tok)
+                if tok in stops[i]:
+                    reasons[i] = "stop"
+                elif len(out_ids[i]) < caps[i]:
+                    still.append(i)
+            active = still
+            step += 1
+        return [
+            Generation(token_ids=out_ids[i], logprobs=out_lp[i], finish_reason=reasons[i]) for i in range(b)
+        ]
