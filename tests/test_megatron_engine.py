@@ -52,11 +52,15 @@ def _load(path):
 def _tp2_checks(rank: int, path: str) -> dict:
     from interlens_mcore import parallel
     from interlens_mcore.megatron.engine import MegatronEngine
+    from interlens_mcore.megatron.kv_cache import supports_kv_cache
 
     reqs = _requests()
     model, layout = _load(path)
     engine = MegatronEngine(model, layout, group=parallel.megatron_tp_group())
     out = {"split": engine.generate(reqs[:4] if rank == 0 else reqs[4:])}  # uneven shares
+    out["cached"] = supports_kv_cache(model)  # so "split" above ran with the KV cache
+    recompute = MegatronEngine(model, layout, use_kv_cache=False)  # group None: the world
+    out["recompute"] = recompute.generate(reqs[:4] if rank == 0 else reqs[4:])
     out["idle"] = engine.generate(reqs[1:3] if rank == 1 else [])  # rank 0 idle, still joins
     greedy = [
         GenerationRequest(prompt_ids=p, max_new_tokens=10, temperature=0.0, stop_token_ids=(2,))
@@ -125,6 +129,14 @@ def test_tp2_sampling_equals_tp1_token_for_token(ranks):
     for a, b in zip(tp2, r0["tp1"], strict=True):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
     assert sum(len(g.token_ids) for g in tp2) > 60  # the comparison covers many sampled tokens
+
+
+def test_kv_cache_equals_full_recompute(ranks):
+    for r in ranks:
+        assert r["cached"]
+        assert _tokens(r["recompute"]) == _tokens(r["split"])
+        for a, b in zip(r["recompute"], r["split"], strict=True):
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
 
 
 def test_idle_rank_joins_and_each_rank_keeps_its_rows(ranks):

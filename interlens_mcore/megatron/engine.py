@@ -12,10 +12,12 @@ on the row's seed, the step and the token id), takes its local maximum, and one 
 picks the token, so TP=2 samples exactly what TP=1 samples for the same seeds. Logprobs come
 from a vocab-parallel log-sum-exp.
 
-Each step recomputes the whole packed (THD) batch of active rows: no key/value cache. That
-costs O(sum of lengths) forward work per token instead of O(rows), acceptable for the short
-turns of tests and small models; it keeps one forward path (`forward_logits`) for training
-and generation, on CPU and GPU alike.
+With the CPU layer spec (`SDPACoreAttention` applying RoPE itself) the engine keeps a
+key/value cache (kv_cache.py): one packed prefill of the prompts, then one token per active
+row per step. With megatron's own attention and rotary embedding (the GPU specs) there is no
+cache to attach, and each step recomputes the packed batch of active rows from scratch: O(sum
+of lengths) forward work per token instead of O(rows), acceptable for short turns; megatron's
+CUDA inference contexts are the way to go further there.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 from .. import parallel
 from ..engine import EngineStats, Generation, GenerationRequest, check_context
 from ..sampling import perturbed_scores
+from .kv_cache import KVCache, attached, supports_kv_cache
 from .model import ModelLayout, forward_logits, vocab_start
 
 
@@ -82,6 +85,7 @@ class MegatronEngine:
     tp_group: Any = None  # the model's TP group (None: megatron's), for vocab-parallel sampling
     name: str = "policy"
     max_context: int = 0  # 0: the layout's max_position
+    use_kv_cache: bool = True  # where the model supports it (CPU spec); else full recompute
     stats: EngineStats = field(default_factory=EngineStats)
 
     def __post_init__(self) -> None:
@@ -103,14 +107,19 @@ class MegatronEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            outs = self._generate(union, caps)
+            if self.use_kv_cache and supports_kv_cache(self.model):
+                longest = max(len(r.prompt_ids) + c for r, c in zip(union, caps, strict=True))
+                with attached(self.model, KVCache(len(union), longest)) as cache:
+                    outs = self._generate(union, caps, cache)
+            else:
+                outs = self._generate(union, caps, None)
         finally:
             self.model.train(was_training)
         outs = outs[offset : offset + len(mine)]
         self.stats.generated_tokens += sum(len(g.token_ids) for g in outs)
         return outs
 
-    def _forward_last(self, seqs: list[list[int]]) -> torch.Tensor:
+    def _forward_last(self, seqs: list[list[int]], cache: KVCache | None) -> torch.Tensor:
         """Logits shard [B, V_local] at the last token of each sequence (packed forward)."""
         lengths = torch.tensor([len(s) for s in seqs])
         cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
@@ -118,11 +127,15 @@ class MegatronEngine:
         ids = torch.tensor([[t for s in seqs for t in s]], dtype=torch.long)  # [1, T]
         t0 = time.perf_counter()
         logits = forward_logits(self.model, self.layout, ids, cu)  # [T, V_local]
+        if cache is not None:
+            cache.advance(cu)
         self.stats.forward_s += time.perf_counter() - t0
         self.stats.forwards += 1
         return logits[cu[1:].long() - 1].float().cpu()
 
-    def _generate(self, requests: list[GenerationRequest], caps: list[int]) -> list[Generation]:
+    def _generate(
+        self, requests: list[GenerationRequest], caps: list[int], cache: KVCache | None
+    ) -> list[Generation]:
         b = len(requests)
         seqs = [list(r.prompt_ids) for r in requests]
         temps = torch.tensor([r.temperature for r in requests], dtype=torch.float32)
@@ -135,7 +148,11 @@ class MegatronEngine:
         start = vocab_start(self.layout)
         step = 0
         while active:
-            logits = self._forward_last([seqs[i] for i in active])
+            if cache is None:  # recompute every active row from its first token
+                logits = self._forward_last([seqs[i] for i in active], None)
+            else:  # the prompts once, then each row's newest token
+                cache.select(active)
+                logits = self._forward_last([seqs[i][-1:] if step else seqs[i] for i in active], cache)
             rows = torch.tensor(active)
             steps = torch.full((len(active),), step, dtype=torch.int64)
             tokens, logp = sample_vocab_parallel(

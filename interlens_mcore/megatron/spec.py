@@ -7,6 +7,9 @@ CPU spec is megatron's local spec with its core attention replaced by `SDPACoreA
 which applies the rotary embedding itself and calls torch's `scaled_dot_product_attention`;
 the model is then built with `position_embedding_type='none'` so megatron adds nothing.
 
+During generation the engine may attach a key/value cache to every `SDPACoreAttention`
+(kv_cache.py); the model's forward does not change.
+
 Positions are never passed to the core attention: as in megatron's own rotary path, they are
 implied by the layout, restarting at 0 for every sequence of a packed (THD) batch.
 """
@@ -84,6 +87,8 @@ class SDPACoreAttention(MegatronModule):
             raise ValueError("SDPACoreAttention does not support context parallelism")
         self.softmax_scale = softmax_scale
         self.rotary_base = rotary_base
+        self.layer_number = layer_number
+        self.kv_cache = None  # a kv_cache.KVCache while the engine generates (see kv_cache.py)
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.rotary_base is None:
@@ -117,7 +122,11 @@ class SDPACoreAttention(MegatronModule):
             raise ValueError(
                 "SDPACoreAttention is causal only: pass attention_mask=None (pack instead of padding)"
             )
-        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+        packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        if self.kv_cache is not None:
+            assert packed, "the engine feeds packed input when a KV cache is attached"
+            return self._forward_cached(query, key, value, packed_seq_params.cu_seqlens_q)
+        if packed:
             return self._forward_packed(query, key, value, packed_seq_params.cu_seqlens_q)
         s, b, heads, hn = query.shape
         positions = torch.arange(s, dtype=torch.int64)
@@ -131,6 +140,26 @@ class SDPACoreAttention(MegatronModule):
     ) -> torch.Tensor:
         positions = packed_positions(cu_seqlens)
         q, k = self._rope(query, positions), self._rope(key, positions)  # [t, np|ng, hn]
+        return self._attend_packed(q, k, value, cu_seqlens)
+
+    def _forward_cached(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor
+    ) -> torch.Tensor:
+        cache = self.kv_cache
+        positions = cache.positions(cu_seqlens)  # [t] continuing each row's cached tokens
+        q, k = self._rope(query, positions), self._rope(key, positions)
+        cache.store(self.layer_number, k, value, cu_seqlens)
+        if cache.prefilling:  # whole prompts, nothing cached before them
+            return self._attend_packed(q, k, value, cu_seqlens)
+        keys, values, mask = cache.window(self.layer_number)  # [A, ng, L, hn], [A, 1, 1, L]
+        out = F.scaled_dot_product_attention(
+            q[:, :, None], keys, values, attn_mask=mask, scale=self.softmax_scale, enable_gqa=True
+        )  # [A, np, 1, hn]: one new token per row
+        return out.reshape(out.shape[0], -1)  # [A, np * hn]
+
+    def _attend_packed(
+        self, q: torch.Tensor, k: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor
+    ) -> torch.Tensor:
         bounds = cu_seqlens.tolist()
         outs = []
         # one SDPA call per sequence: sum of L_i^2 work instead of a [t, t] block mask
