@@ -43,29 +43,34 @@ def sample_vocab_parallel(
     steps: torch.Tensor,
     start: int,
     group: Any = None,
+    comm_device: torch.device | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row from vocab-sharded logits; collective over the TP `group`.
 
-    logits: [B, V_local] for global ids [start, start + V_local), padded ids already -inf.
-    Returns (token ids [B], logprobs [B]) identical on every rank, with the semantics of
+    logits: [B, V_local] (CPU) for global ids [start, start + V_local), padded ids already
+    -inf. Returns (token ids [B], logprobs [B]) identical on every rank, with the semantics of
     `sampling.sample_full_vocab`: greedy rows (T == 0) report the logprob under T = 1.
+    comm_device: where the group reduces (a CUDA device for NCCL groups; default: CPU).
     """
+
+    def reduce(x: torch.Tensor, op: str) -> torch.Tensor:
+        return parallel.all_reduce(x.to(comm_device or x.device), op, group).to(x.device)
+
     width = logits.shape[-1]
     scores = perturbed_scores(logits, temperatures, seeds, steps, vocab_start=start)  # [B, V_local]
     local_best, local_idx = scores.max(dim=-1)  # first index on ties within the shard
-    best = parallel.all_reduce(local_best.clone(), "max", group)
+    best = reduce(local_best.clone(), "max")
     # ties across shards go to the lowest global id, as argmax over the full vocabulary does
     no_claim = torch.full_like(local_idx, torch.iinfo(torch.int64).max)
-    claims = torch.where(local_best == best, local_idx + start, no_claim)
-    tokens = parallel.all_reduce(claims, "min", group)  # [B]
+    tokens = reduce(torch.where(local_best == best, local_idx + start, no_claim), "min")  # [B]
 
     t = torch.where(temperatures <= 0, torch.ones_like(temperatures), temperatures)
     scaled = logits.float() / t[:, None]  # [B, V_local]
-    row_max = parallel.all_reduce(scaled.max(dim=-1).values, "max", group)  # [B]
+    row_max = reduce(scaled.max(dim=-1).values, "max")  # [B]
     owned = (tokens >= start) & (tokens < start + width)
     picked = scaled.gather(-1, (tokens - start).clamp(0, width - 1)[:, None]).squeeze(-1)
     sums = torch.stack([(scaled - row_max[:, None]).exp().sum(-1), torch.where(owned, picked, 0.0)])
-    sums = parallel.all_reduce(sums, "sum", group)  # [2, B]: softmax denominators, picked logits
+    sums = reduce(sums, "sum")  # [2, B]: softmax denominators, picked logits
     return tokens, sums[1] - row_max - sums[0].log()
 
 
@@ -146,6 +151,7 @@ class MegatronEngine:
         reasons = ["length"] * b
         active = [i for i in range(b) if caps[i] > 0]
         start = vocab_start(self.layout)
+        device = next(self.model.parameters()).device  # the TP group's backend reduces there
         step = 0
         while active:
             if cache is None:  # recompute every active row from its first token
@@ -156,7 +162,7 @@ class MegatronEngine:
             rows = torch.tensor(active)
             steps = torch.full((len(active),), step, dtype=torch.int64)
             tokens, logp = sample_vocab_parallel(
-                logits, temps[rows], seeds[rows], steps, start, self.tp_group
+                logits, temps[rows], seeds[rows], steps, start, self.tp_group, comm_device=device
             )
             still = []
             for i, tok, lp in zip(active, tokens.tolist(), logp.tolist(), strict=True):

@@ -40,10 +40,12 @@ class KVCache:
 
     def positions(self, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """Position of every fed token [T]: its row's cached length plus its offset in the chunk."""
-        chunk = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)  # [A]
+        cu = cu_seqlens.cpu()  # the bookkeeping stays on the CPU; positions go to the input's device
+        chunk = (cu[1:] - cu[:-1]).to(torch.int64)  # [A]
         assert chunk.numel() == self.rows.numel(), "one packed sequence per selected cache row"
         assert self.prefilling or bool((chunk == 1).all()), "after the prefill, one token per row"
-        return torch.repeat_interleave(self.lengths[self.rows], chunk) + packed_positions(cu_seqlens)
+        offsets = torch.repeat_interleave(self.lengths[self.rows], chunk) + packed_positions(cu)
+        return offsets.to(cu_seqlens.device)
 
     def store(self, layer: int, keys: torch.Tensor, values: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
         """Write the fed tokens' keys/values [T, ng, hn] (keys already rotated) into `layer`."""
@@ -67,14 +69,15 @@ class KVCache:
         the mask [A, 1, 1, L] of the positions each row may attend to (its own, cached ones)."""
         seen = self.lengths[self.rows] + 1  # [A]
         width = int(seen.max())
-        mask = torch.arange(width)[None, :] < seen[:, None]  # [A, L]
+        mask = (torch.arange(width)[None, :] < seen[:, None]).to(self._keys[layer].device)  # [A, L]
         keys = self._keys[layer][self.rows, :, :width]
         values = self._values[layer][self.rows, :, :width]
         return keys, values, mask[:, None, None, :]
 
     def advance(self, cu_seqlens: torch.Tensor) -> None:
         """Count the tokens fed by the forward that just ran (call once per model forward)."""
-        self.lengths[self.rows] += (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
+        cu = cu_seqlens.cpu()
+        self.lengths[self.rows] += (cu[1:] - cu[:-1]).to(torch.int64)
         if int(self.lengths.max()) > self.capacity:
             raise ValueError(
                 f"KVCache overflow: a row holds {int(self.lengths.max())} > {self.capacity} tokens"

@@ -163,7 +163,10 @@ def build_model(
 ) -> GPTModel:
     """A GPTModel for this rank's TP shard. megatron_rope=None: megatron's rope iff CUDA exists.
 
-    init_weights=False skips megatron's random initialisation (weights are loaded next).
+    init_weights=False skips megatron's random initialisation (weights are loaded next). On
+    GPU, megatron's initialisation needs its CUDA RNG tracker first
+    (`tensor_parallel.model_parallel_cuda_manual_seed`), and the caller moves the model with
+    `.cuda()` as megatron's own scripts do (torch-native norms are created on the CPU).
     """
     tp = parallel.world_size(parallel.megatron_tp_group())
     if tp != layout.tp_size:

@@ -35,7 +35,7 @@ def packed_positions(cu_seqlens: torch.Tensor) -> torch.Tensor:
     cu = cu_seqlens.to(torch.int64)
     lengths = cu[1:] - cu[:-1]  # [N]
     starts = torch.repeat_interleave(cu[:-1], lengths)  # [T] start of each token's sequence
-    return torch.arange(int(cu[-1]), dtype=torch.int64) - starts
+    return torch.arange(int(cu[-1]), dtype=torch.int64, device=cu.device) - starts
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,7 +44,7 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float) -> tuple[t
     Computed in float32 exactly as transformers' default rotary embedding does, so the CPU
     model matches the HF checkpoint to rounding of the attention itself.
     """
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
     inv_freq = 1.0 / (base**exponents)  # [head_dim / 2]
     freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, head_dim / 2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
@@ -129,7 +129,7 @@ class SDPACoreAttention(MegatronModule):
         if packed:
             return self._forward_packed(query, key, value, packed_seq_params.cu_seqlens_q)
         s, b, heads, hn = query.shape
-        positions = torch.arange(s, dtype=torch.int64)
+        positions = torch.arange(s, dtype=torch.int64, device=query.device)
         q = self._rope(query.reshape(s, b * heads, hn), positions).reshape(query.shape)
         k = self._rope(key.reshape(s, -1, hn), positions).reshape(key.shape)
         out = self._attend(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3))
