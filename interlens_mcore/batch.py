@@ -164,6 +164,8 @@ def _flatten(trajectories: Sequence[Trajectory]) -> _Flat:
     ids = np.fromiter(chain.from_iterable(t.token_ids for t in trajectories), np.int64, total)
     mask = np.fromiter(chain.from_iterable(t.loss_mask for t in trajectories), np.int8, total) != 0
     sample = np.repeat(np.arange(n, dtype=np.int64), lens)
+    if (bad := np.flatnonzero(ids < 0)).size:
+        raise ValueError(f"trajectories[{int(sample[bad[0]])}].token_ids must be >= 0, got {ids[bad[0]]}")
 
     csum = np.concatenate([[0], np.cumsum(mask)])
     trained = csum[starts + lens] - csum[starts]  # [N] mask-1 tokens per sample
@@ -264,6 +266,8 @@ def build_batch(
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if not isinstance(pad_to_multiple, int) or pad_to_multiple < 1:
         raise ValueError(f"pad_to_multiple must be an int >= 1, got {pad_to_multiple!r}")
+    if not isinstance(pad_id, int) or pad_id < 0:
+        raise ValueError(f"pad_id must be an int >= 0 (a real vocabulary id), got {pad_id!r}")
     adv = _as_advantages(advantages, len(trajectories))
     flat = _flatten(trajectories)
     seg_tok, num_segments = _segments(trajectories, flat)

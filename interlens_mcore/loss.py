@@ -100,10 +100,8 @@ def importance_weights(
         if bool((group_ids[corrected] < 0).any()):
             raise ValueError(f"group_ids must be >= 0 on every corrected token for mode {mode!r}")
         units, inverse = torch.unique(group_ids[corrected], return_inverse=True)
-        sums = torch.zeros(units.numel(), dtype=lr.dtype).index_add_(0, inverse, lr[corrected])
-        counts = torch.zeros(units.numel(), dtype=lr.dtype).index_add_(
-            0, inverse, torch.ones(inverse.numel())
-        )
+        sums = lr.new_zeros(units.numel()).index_add_(0, inverse, lr[corrected])
+        counts = lr.new_zeros(units.numel()).index_add_(0, inverse, lr.new_ones(inverse.numel()))
         lr = torch.zeros_like(lr).masked_scatter_(corrected, (sums / counts)[inverse])
     w = torch.exp(lr)
     over = corrected & (w > threshold)
@@ -213,7 +211,7 @@ def grpo_loss(
     compared = valid & complete  # tokens whose train and rollout logprobs are both known
 
     def clean(t: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
-        return torch.where(where, t.float(), torch.zeros((), dtype=torch.float32))
+        return torch.where(where, t.float(), 0.0)
 
     lp = clean(logprobs, valid)  # [B, T]; gradient flows only through valid tokens
     train = clean(old_logprobs, valid) if old_logprobs is not None else lp.detach()
@@ -245,7 +243,7 @@ def grpo_loss(
         cap = -adv * config.dual_clip  # > 0 exactly where A < 0
         dual = valid & (adv < 0) & (pg > cap)
         pg = torch.where(adv < 0, torch.minimum(pg, cap), pg)
-    policy = torch.where(valid, weights * pg, torch.zeros((), dtype=pg.dtype))
+    policy = torch.where(valid, weights * pg, 0.0)
 
     kl = torch.zeros_like(lp)
     if ref_logprobs is not None:
@@ -259,7 +257,7 @@ def grpo_loss(
     loss = policy_loss + kl_loss
 
     bucket = torch.where(sample_ids >= 0, sample_ids, n).flatten()
-    present = torch.zeros(n + 1, dtype=torch.long).index_add_(0, bucket, mask.flatten().long())[:n] > 0
+    present = mask.new_zeros(n + 1, dtype=torch.long).index_add_(0, bucket, mask.flatten().long())[:n] > 0
     is_weight = torch.exp(diff_c) if config.bypass else weights
     metrics = _metric_sums(
         {

@@ -92,6 +92,8 @@ def test_incomplete_logprobs_are_dropped_for_that_sample_only():
         ("two", [[1.0, 2.0]], {}, "advantages"),
         ("two", [1.0, 2.0], {"layout": "thd"}, "layout"),
         ("two", [1.0, 2.0], {"pad_to_multiple": 0}, "pad_to_multiple"),
+        ("two", [1.0, 2.0], {"pad_id": -100}, "pad_id"),
+        ([Trajectory(token_ids=[1, -5], loss_mask=[0, 1], rollout_logprobs=None)], [1.0], {}, "token_ids"),
         ([{"token_ids": [1]}], [1.0], {}, r"trajectories\[0\]"),
         (
             [Trajectory(token_ids=[1, 2], loss_mask=[0, 0], rollout_logprobs=None)],
