@@ -61,11 +61,14 @@ class MegatronGRPOTrainer(GRPOTrainer):
         mine = super().generate_rollouts(rows, step)
         if self.groups.tp_size == 1:
             return mine
-        parts = parallel.all_gather_object(mine, group=self.groups.tp)
+        # conversations stay local: they hold the engine, which holds process groups
+        shared = (mine.trajectories, mine.advantages, mine.keep)
+        parts = parallel.all_gather_object(shared, group=self.groups.tp)
         return Rollout(
-            trajectories=[t for p in parts for t in p.trajectories],
-            advantages=torch.cat([p.advantages for p in parts]),
-            keep=torch.cat([p.keep for p in parts]),
+            trajectories=[t for p in parts for t in p[0]],
+            advantages=torch.cat([p[1] for p in parts]),
+            keep=torch.cat([p[2] for p in parts]),
+            conversations=mine.conversations,
         )
 
     # -- backend --------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ class MetricsLog:
         self.bar = None
         if not enabled:
             return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = [r for r in read_metrics(self.path) if r["step"] < start]
         # a killed run may have logged steps after its last checkpoint: those are redone
         tmp = self.path.with_suffix(".jsonl.tmp")
