@@ -190,8 +190,9 @@ def build_groups(
         mp = ps.get_model_parallel_group()  # TP x PP of one DP index
         tp_size, dp_size = ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_world_size()
     else:
-        dp, tp, pp, cp, mp, tp_size, dp_size = None, None, None, None, None, 1, w
-    choices = {"model_parallel": mp, "data_parallel": dp, "world": None}
+        # plain torch.distributed: every rank is one data-parallel replica
+        dp, tp, pp, cp, mp, tp_size, dp_size = dist.group.WORLD, None, None, None, None, 1, w
+    choices = {"model_parallel": mp, "data_parallel": dp, "world": dist.group.WORLD}
     if rollout_group is None and rollout not in choices:
         raise ValueError(f"build_groups: rollout must be one of {sorted(choices)}, got {rollout!r}")
     group = rollout_group if rollout_group is not None else choices[rollout]

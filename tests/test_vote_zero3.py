@@ -1,0 +1,64 @@
+"""The HF engine under DeepSpeed ZeRO-3: every forward gathers weights from both ranks, so
+ranks with uneven turns finish only because of the vote (and the engine's lockstep steps)."""
+
+import pytest
+from dist_utils import run_ranks
+
+pytest.importorskip("deepspeed", reason="DeepSpeed is an optional extra: pip install -e .[deepspeed]")
+
+
+def _zero3_rollout(rank, world, tiny_path, use_vote):
+    import deepspeed
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from interlens_mcore import (
+        Conversation,
+        Environment,
+        HFEngine,
+        MaxTurns,
+        Policy,
+        SamplingParams,
+        co_step,
+        parallel,
+    )
+    from interlens_mcore.vote import local_gather
+
+    class Feedback(Environment):
+        name = "env"
+
+        def respond(self, conv):
+            return "lower"
+
+    tok = AutoTokenizer.from_pretrained(tiny_path)
+    model = AutoModelForCausalLM.from_pretrained(tiny_path)
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        # partition every tensor (the tiny model would otherwise stay whole on each rank)
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+    }
+    engine_ds, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    groups = parallel.build_groups(rollout="data_parallel", vote_timeout_s=60)
+    engine = HFEngine(engine_ds.module, tok, sync_group=groups.rollout)
+    pol = Policy("agent", engine, tok, SamplingParams(max_new_tokens=4))
+    turns = 2 if rank == 0 else 8
+    convs = [Conversation([pol, Feedback()], run_until=MaxTurns(turns), id=f"z{rank}{i}") for i in range(2)]
+    gather = groups.gather_fn() if use_vote else local_gather
+    co_step(convs, turns=None, gather_fn=gather, rank=groups.rollout_rank)
+    # what a trainer does next: a forward that gathers the partitioned weights again
+    engine.generate([])
+    return [c.turns_taken for c in convs]
+
+
+def test_zero3_uneven_turns_finish_with_the_vote(tiny_path):
+    out = run_ranks(_zero3_rollout, 2, str(tiny_path), True, timeout=240)
+    assert out == [[2, 2], [8, 8]]
+
+
+def test_zero3_without_the_vote_hangs(tiny_path):
+    # rank 0 leaves after 2 turns; rank 1's next forward waits for rank 0's weight shards
+    with pytest.raises((TimeoutError, RuntimeError)) as info:
+        run_ranks(_zero3_rollout, 2, str(tiny_path), False, timeout=60)
+    if isinstance(info.value, RuntimeError):  # gloo may notice the peer left instead of hanging
+        assert "rank 1" in str(info.value)
