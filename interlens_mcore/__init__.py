@@ -1,36 +1,33 @@
 """interlens_mcore: multi-turn, multi-party colocated rollouts for GRPO training."""
 
+from .advantages import group_advantages
+from .batch import TrainingBatch, build_batch
 from .chat import ChatFormat
 from .conversation import Conversation, Environment, Participant, Policy, Scripted
 from .costep import co_step, schedule_signature
 from .engine import Engine, Generation, GenerationRequest, HFEngine, SamplingParams
+from .loss import LossConfig, grpo_loss
+from .mixin import RolloutMixin
+from .multiturn import (
+    EngineRollout,
+    MultiTurnRequest,
+    MultiTurnScheduler,
+    ResponseChoice,
+    RolloutOutput,
+    ToolScheduler,
+    run_multi_turn,
+)
+from .parallel import ParallelGroups, build_groups
 from .stop import AnyOf, MaxTurns, Predicate, StopCondition, TokenBudget, stop_when
 from .trajectory import Message, Status, Trajectory, TurnSpan
 from .vote import RolloutError
 
 __all__ = [
-    "AnyOf",
-    "ChatFormat",
-    "Conversation",
-    "Engine",
-    "Environment",
-    "Generation",
-    "GenerationRequest",
-    "HFEngine",
-    "MaxTurns",
-    "Message",
-    "Participant",
-    "Policy",
-    "Predicate",
-    "RolloutError",
-    "SamplingParams",
-    "Scripted",
-    "Status",
-    "StopCondition",
-    "TokenBudget",
-    "Trajectory",
-    "TurnSpan",
-    "co_step",
-    "schedule_signature",
-    "stop_when",
+    "AnyOf", "ChatFormat", "Conversation", "Engine", "EngineRollout", "Environment",
+    "Generation", "GenerationRequest", "HFEngine", "LossConfig", "MaxTurns", "Message",
+    "MultiTurnRequest", "MultiTurnScheduler", "ParallelGroups", "Participant", "Policy",
+    "Predicate", "ResponseChoice", "RolloutError", "RolloutMixin", "RolloutOutput",
+    "SamplingParams", "Scripted", "Status", "StopCondition", "TokenBudget", "ToolScheduler",
+    "TrainingBatch", "Trajectory", "TurnSpan", "build_batch", "build_groups", "co_step",
+    "group_advantages", "grpo_loss", "run_multi_turn", "schedule_signature", "stop_when",
 ]
