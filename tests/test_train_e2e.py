@@ -34,13 +34,20 @@ def test_megatron_dp2_micro_batches(tmp_path):
     assert all(r["is_weight_mean"] == pytest.approx(1.0, abs=1e-3) for r in rows)
 
 
-def test_megatron_tp2(tmp_path):
-    out = tmp_path / "run"
-    res = torchrun("--output-dir", str(out), "--steps", "2", "--tp", "2", *SMALL)
+def test_megatron_tp2_and_export(tmp_path, tiny_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out, hf = tmp_path / "run", tmp_path / "hf"
+    res = torchrun("--output-dir", str(out), "--steps", "2", "--tp", "2", "--export-hf", str(hf), *SMALL)
     assert res.returncode == 0, res.stderr[-3000:]
-    rows = _check_run(out, 2)
-    # TP ranks share trajectories: tokens are counted once per DP replica (DP = 1 here)
-    assert rows[0]["tokens"] > 0
+    _check_run(out, 2)
+    # the exported folder loads through from_pretrained and holds the trained (changed) weights
+    trained = AutoModelForCausalLM.from_pretrained(hf)
+    start = AutoModelForCausalLM.from_pretrained(tiny_path)
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert not torch.equal(trained.state_dict()[name], start.state_dict()[name])
+    assert torch.isfinite(trained(torch.tensor([[1, 2, 3]])).logits).all()
 
 
 @pytest.mark.parametrize("stage", [1, 3])

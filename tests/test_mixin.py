@@ -1,0 +1,70 @@
+"""RolloutMixin in a trainer that is not ours: an HF model, one process, no torch.distributed."""
+
+from __future__ import annotations
+
+import torch
+
+from interlens_mcore.conversation import Conversation, Scripted
+from interlens_mcore.engine import HFEngine
+from interlens_mcore.envs import GuessNumberTask, guess_tasks, reply_number
+from interlens_mcore.mixin import RolloutConfig, RolloutMixin
+from interlens_mcore.parallel import ParallelGroups
+from interlens_mcore.trajectory import Message
+
+
+class ForeignTrainer(RolloutMixin):
+    def __init__(self, model, tokenizer, **rollout):
+        self.engine = HFEngine(model, tokenizer)
+        self.tokenizer = tokenizer
+        self.groups = ParallelGroups(rank=0, world_size=1)
+        self.rollout_config = RolloutConfig(max_new_tokens=4, **rollout)
+
+
+def test_groups_advantages_and_batches(tiny):
+    trainer = ForeignTrainer(*tiny, num_generations=4, micro_batch_size=3)
+    rows = guess_tasks(2, seed=1)
+    rollout = trainer.generate_rollouts(rows, step=0)
+    assert len(rollout.trajectories) == 8
+    assert [t.group for t in rollout.trajectories] == [0] * 4 + [1] * 4
+    # each group is centred on its own mean, never normalised with the other group
+    assert rollout.advantages.view(2, 4).sum(dim=1).abs().max() < 1e-5
+    for t in rollout.trajectories:
+        assert 0.0 <= t.reward <= 1.0 and t.logprobs_complete
+    batches = trainer.training_batches(rollout)
+    assert [b.num_samples for b in batches] == [3, 3, 2]  # ceil(8 / 3) micro-batches
+    assert sum(b.num_loss_tokens for b in batches) == sum(t.num_trained_tokens for t in rollout.trajectories)
+
+
+def test_same_step_same_rollout(tiny):
+    # seeds come from (seed, step, rank, row, sample): a resumed run replays the same samples
+    a = ForeignTrainer(*tiny, num_generations=2).generate_rollouts(guess_tasks(2, seed=3), step=5)
+    b = ForeignTrainer(*tiny, num_generations=2).generate_rollouts(guess_tasks(2, seed=3), step=5)
+    assert [t.token_ids for t in a.trajectories] == [t.token_ids for t in b.trajectories]
+    c = ForeignTrainer(*tiny, num_generations=2).generate_rollouts(guess_tasks(2, seed=3), step=6)
+    assert [t.token_ids for t in a.trajectories] != [t.token_ids for t in c.trajectories]
+
+
+def test_custom_reward_override(tiny):
+    class Always(ForeignTrainer):
+        def compute_rewards(self, conversations, trajectories):
+            return [float(i % 2) for i in range(len(trajectories))]
+
+    rollout = Always(*tiny, num_generations=2).generate_rollouts(guess_tasks(1, seed=0), step=0)
+    assert rollout.rewards.tolist() == [0.0, 1.0]
+    # rewards 0 and 1 in one group: mean 0.5, unbiased std sqrt(0.5), so A = -+0.5 / 0.7071
+    assert torch.allclose(rollout.advantages, torch.tensor([-0.7071, 0.7071]), atol=1e-3)
+
+
+def test_guess_reward_shape():
+    task = GuessNumberTask(secret=40)
+    env = task.environment()
+    conv = Conversation([Scripted("policy", ["50", "4x"], role="assistant"), env], prompt=task.prompt())
+    conv.start()
+    for speaker in [conv.lineup[0], env, conv.lineup[0], env]:
+        msg = speaker.respond(conv)
+        conv.commit(speaker, Message(speaker=speaker.name, content=msg, role=speaker.role))
+    assert [m.content for m in conv.messages] == ["50", "lower", "4x", "higher"]
+    assert reply_number("4x") == 4
+    # form: replies "50" (1.0) and "4x" (0.5) -> 0.75; closeness: best |50 - 40| = 10 of a
+    # quarter range 24.75 -> 1 - 10 / 24.75 = 0.596; reward 0.6 * 0.75 + 0.4 * 0.596 = 0.688
+    assert abs(env.reward(conv) - (0.6 * 0.75 + 0.4 * (1 - 10 / 24.75))) < 1e-9

@@ -1,0 +1,24 @@
+"""launch/rollout.py: trajectories as JSONL, without training."""
+
+from __future__ import annotations
+
+import json
+
+from train_utils import ROOT, SMALL, torchrun
+
+
+def test_rollout_jsonl(tmp_path):
+    out = tmp_path / "look"
+    res = torchrun("--output-dir", str(out), "--steps", "1", *SMALL, script=ROOT / "launch" / "rollout.py")
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 * 8  # two ranks, batch size 8 each
+    assert len({r["conversation"] for r in rows}) == len(rows)
+    for r in rows:
+        assert len(r["token_ids"]) == len(r["loss_mask"])
+        assert 0.0 <= r["reward"] <= 1.0
+        assert r["messages"][0]["role"] == "assistant" or r["messages"][0]["speaker"] == "policy"
+        trained = [t for t, m in zip(r["token_ids"], r["loss_mask"]) if m]
+        assert [i for turn in r["turns"] for i in turn["token_ids"]] == trained
+        for turn in r["turns"]:
+            assert len(turn["logprobs"]) == len(turn["token_ids"]) and all(lp <= 0 for lp in turn["logprobs"])
