@@ -129,7 +129,19 @@ class RolloutMixin:
     def compute_rewards(
         self, conversations: Sequence[Conversation], trajectories: Sequence[Trajectory]
     ) -> list[float]:
-        """One reward per trajectory; by default the sum of the environments' rewards."""
+        """One reward per trajectory.
+
+        Lineup path: the sum of the environments' rewards of its conversation. Scheduler path
+        (no conversations): the `reward` the scheduler put in `rollout_infos`.
+        """
+        if not conversations:
+            missing = [i for i, t in enumerate(trajectories) if "reward" not in t.infos]
+            if missing:
+                raise ValueError(
+                    f"trajectory {missing[0]} has no rollout_infos['reward']: set it from the "
+                    "scheduler's on_turn_end / step, or override compute_rewards"
+                )
+            return [float(t.infos["reward"]) for t in trajectories]
         by_id = {c.id: c for c in conversations}
         out = []
         for t in trajectories:
@@ -192,8 +204,8 @@ class RolloutMixin:
             rank=self.groups.rollout_rank,
         )
         trajectories = [o.to_trajectory(group=o.request.data["group"]) for o in outputs]
-        for t, o in zip(trajectories, outputs, strict=True):
-            t.reward = float(o.rollout_infos.get("reward", 0.0))
+        for t, r in zip(trajectories, self.compute_rewards([], trajectories), strict=True):
+            t.reward = r
         return self._with_advantages(trajectories, [])
 
     def _with_advantages(self, trajectories: list[Trajectory], convs: list[Conversation]) -> Rollout:

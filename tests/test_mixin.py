@@ -17,7 +17,7 @@ class ForeignTrainer(RolloutMixin):
         self.engine = HFEngine(model, tokenizer)
         self.tokenizer = tokenizer
         self.groups = ParallelGroups(rank=0, world_size=1)
-        self.rollout_config = RolloutConfig(max_new_tokens=4, **rollout)
+        self.rollout_config = RolloutConfig(**{"max_new_tokens": 4, **rollout})
 
 
 def test_groups_advantages_and_batches(tiny):
@@ -68,3 +68,36 @@ def test_guess_reward_shape():
     # form: replies "50" (1.0) and "4x" (0.5) -> 0.75; closeness: best |50 - 40| = 10 of a
     # quarter range 24.75 -> 1 - 10 / 24.75 = 0.596; reward 0.6 * 0.75 + 0.4 * 0.596 = 0.688
     assert abs(env.reward(conv) - (0.6 * 0.75 + 0.4 * (1 - 10 / 24.75))) < 1e-9
+
+
+def test_scheduler_path(tiny):
+    from interlens_mcore.multiturn import ToolScheduler
+
+    class WithTool(ForeignTrainer):
+        def scheduler(self):
+            # a tool that answers every reply; two engine calls per request at most
+            return ToolScheduler(self.policy().chat, tool=lambda text: "ok", max_turns=2)
+
+        def compute_rewards(self, conversations, trajectories):
+            return [float(len(t.turns)) / 2 for t in trajectories]
+
+    trainer = WithTool(*tiny, num_generations=3, max_new_tokens=3)
+    rows = [[{"role": "user", "content": "add 2 and 3"}], [{"role": "user", "content": "add 1 and 1"}]]
+    rollout = trainer.generate_rollouts(rows, step=0)
+    assert [t.group for t in rollout.trajectories] == [0, 0, 0, 1, 1, 1]
+    assert all(1 <= len(t.turns) <= 2 and t.logprobs_complete for t in rollout.trajectories)
+    assert rollout.rewards.tolist() == [len(t.turns) / 2 for t in rollout.trajectories]
+    assert len(trainer.training_batches(rollout)) == 1
+
+
+def test_scheduler_path_needs_a_reward(tiny):
+    import pytest
+
+    from interlens_mcore.multiturn import ToolScheduler
+
+    class NoReward(ForeignTrainer):
+        def scheduler(self):
+            return ToolScheduler(self.policy().chat, tool=lambda text: "ok", max_turns=1)
+
+    with pytest.raises(ValueError, match="rollout_infos\\['reward'\\]"):
+        NoReward(*tiny, num_generations=2).generate_rollouts([[{"role": "user", "content": "hi"}]], step=0)
