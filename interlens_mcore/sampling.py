@@ -7,6 +7,8 @@ and the Gumbel-max argmax over the shards equals the one over the full vocabular
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 _MASK64 = (1 << 64) - 1
@@ -46,11 +48,17 @@ def mix_seed(*parts: int) -> int:
 def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_start: int, vocab_end: int) -> torch.Tensor:
     """Gumbel(0, 1) noise [B, vocab_end - vocab_start] for rows with `seeds` [B] at `steps` [B]."""
     row = splitmix64(seeds.to(torch.int64) ^ splitmix64(steps.to(torch.int64)))  # [B]
-    vocab = torch.arange(vocab_start, vocab_end, dtype=torch.int64)  # [V]
-    z = splitmix64(row[:, None] ^ splitmix64(vocab[None, :] + 0x5A5A))  # [B, V]
+    z = splitmix64(row[:, None] ^ _vocab_keys(vocab_start, vocab_end)[None, :])  # [B, V]
     # top 24 bits -> uniform in (0, 1), never exactly 0 or 1, so both logs stay finite
-    u = (_shr(z, 40).to(torch.float64) + 0.5) / float(1 << 24)
-    return -torch.log(-torch.log(u)).to(torch.float32)
+    # (24 bits are exact in float32)
+    u = (_shr(z, 40).to(torch.float32) + 0.5) / float(1 << 24)
+    return -torch.log(-torch.log(u))
+
+
+@functools.lru_cache(maxsize=16)
+def _vocab_keys(vocab_start: int, vocab_end: int) -> torch.Tensor:
+    # the per-token half of the hash is the same every step: compute it once per shard
+    return splitmix64(torch.arange(vocab_start, vocab_end, dtype=torch.int64) + 0x5A5A)  # [V]
 
 
 def perturbed_scores(
