@@ -1,0 +1,75 @@
+"""Pieces the rollout benchmarks share: a stop-free policy, a cheap environment, timing, output."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from interlens_mcore import ChatFormat, Conversation, Environment, MaxTurns, Message, Policy, SamplingParams  # noqa: E402
+from interlens_mcore.conversation import Participant  # noqa: E402
+
+
+class Feedback(Environment):
+    """Answers each policy turn with a short hint (plain Python, no model): a few tokens a turn."""
+
+    name = "env"
+
+    def __init__(self, secret: int):
+        self.secret = secret
+
+    def respond(self, conv):
+        return f"{self.secret} is higher" if conv.turns_taken % 4 == 1 else "lower"
+
+
+def stop_free_policy(engine, tok, max_new_tokens: int) -> Policy:
+    """A sampling policy with no stop token, so every turn samples exactly max_new_tokens and
+    compared runs do equal work whatever the random model samples."""
+    policy = Policy("policy", engine, tok, SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens))
+    policy.chat = StopFreeChat(tok)
+    return policy
+
+
+class StopFreeChat(ChatFormat):
+    """The policy's chat format with no stop token (turns end at their token cap)."""
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return ()
+
+
+def make_convs(policy: Participant, n: int, turns: int, tag: str = "bench") -> list[Conversation]:
+    """n conversations of `turns` policy turns, each answered by the environment."""
+    return [
+        Conversation(
+            [policy, Feedback(i)],
+            [Message(speaker="user", content=f"guess the number {i}")],
+            run_until=MaxTurns(2 * turns),
+            id=f"{tag}{i}",
+        )
+        for i in range(n)
+    ]
+
+
+def timed(fn, *args, **kwargs) -> tuple[float, object]:
+    t0 = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return time.perf_counter() - t0, out
+
+
+def median(xs: list[float]) -> float:
+    return round(statistics.median(xs), 4)
+
+
+def emit(out: dict, quiet: bool) -> dict:
+    """Print the result: a readable table unless quiet, then one JSON object as the last line."""
+    if not quiet:
+        for k, v in out.items():
+            print(f"{k:>28}: {v}")
+    print(json.dumps(out), flush=True)
+    return out
