@@ -180,7 +180,7 @@ def check_output_dir(opts: Options, run: dict) -> None:
         raise UsageError(f"--output-dir {out}: exists and is not a folder")
     info = out / "run.json"
     if not info.is_file():
-        if out.is_dir() and any(out.iterdir()):
+        if out.is_dir() and any(p.name != ".lock" for p in out.iterdir()):
             raise UsageError(f"--output-dir {out}: holds files that are not a run of this script")
         return
     if not opts.resume:
@@ -189,6 +189,27 @@ def check_output_dir(opts: Options, run: dict) -> None:
     changed = sorted(k for k in set(old) | set(run) if old.get(k) != run.get(k))
     if changed:
         raise UsageError(f"--output-dir {out}: --resume with different options: {', '.join(changed)}")
+
+
+def hold_lock(out: Path):
+    """Take OUTPUT_DIR/.lock for this process's lifetime (rank 0 only).
+
+    A run whose launcher was killed may leave workers running (torchrun starts them in their
+    own sessions); a second run writing into the same folder would interleave with them.
+    The kernel drops the lock when the holder dies, so a killed run never blocks its resume.
+    """
+    import fcntl
+
+    out.mkdir(parents=True, exist_ok=True)
+    handle = (out / ".lock").open("w")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise UsageError(
+            f"--output-dir {out}: another process is still writing to it (.lock is held)"
+        ) from None
+    return handle
 
 
 def run_identity(opts: Options) -> dict:

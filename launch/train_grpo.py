@@ -12,6 +12,7 @@ Bad input: one line on stderr, exit code 2, nothing written.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -20,7 +21,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from backends import build_trainer, configs  # noqa: E402
-from options import UsageError, check_output_dir, parse, run_identity, validate, world_size  # noqa: E402
+from options import (  # noqa: E402
+    UsageError,
+    check_output_dir,
+    hold_lock,
+    parse,
+    run_identity,
+    validate,
+    world_size,
+)
 
 from interlens_mcore import parallel  # noqa: E402
 from trainers.base import write_json_atomic  # noqa: E402
@@ -33,17 +42,16 @@ def main(argv: list[str] | None = None) -> int:
         configs(opts)  # the configs' own checks, before any process group exists
         run = {**run_identity(opts), "world_size": world_size()}
         check_output_dir(opts, run)
+        lock = hold_lock(Path(opts.output_dir)) if os.environ.get("RANK", "0") == "0" else None
     except UsageError as exc:
-        if int(__import__("os").environ.get("RANK", "0")) == 0:
+        if os.environ.get("RANK", "0") == "0":
             print(f"train_grpo.py: error: {exc}", file=sys.stderr)
         return 2
     torch.set_num_threads(1)  # ranks share the cores; one intra-op thread each
     parallel.init_distributed()
     try:
-        out = Path(opts.output_dir)
         if parallel.rank() == 0:
-            out.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(out / "run.json", run)
+            write_json_atomic(Path(opts.output_dir) / "run.json", run)
         trainer = build_trainer(opts, run)
         start = trainer.resume() if opts.resume else 0
         if parallel.rank() == 0 and start:
@@ -53,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
             trainer.export_hf(opts.export_hf)
     finally:
         parallel.destroy()
+        if lock is not None:
+            lock.close()
     return 0
 
 

@@ -7,16 +7,39 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from train_utils import ROOT, SMALL, TRAIN, env, metrics, torchrun
 
 STEPS = 6
 
 
-def _start(out) -> subprocess.Popen:
+def _children(pid: int) -> list[int]:
+    """Direct children of `pid` (torchrun starts its workers in sessions of their own)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _kill_all(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher and every worker, as a machine failure would."""
+    for pid in [*_children(proc.pid), proc.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=30)
+
+
+def _start(out, steps: int = STEPS) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(TRAIN)]
-    args = ["--output-dir", str(out), "--steps", str(STEPS), *SMALL]
-    # its own session, so the kill reaches torchrun and both ranks (by process group id)
+    args = ["--output-dir", str(out), "--steps", str(steps), *SMALL]
     return subprocess.Popen(
         [*cmd, *args],
         env=env(),
@@ -25,6 +48,13 @@ def _start(out) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         start_new_session=True,
     )
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
 
 
 def test_resume_after_sigkill(tmp_path):
@@ -36,10 +66,13 @@ def test_resume_after_sigkill(tmp_path):
             assert proc.poll() is None, proc.stderr.read()[-2000:]
             assert time.monotonic() < deadline, "no checkpoint within 180 s"
             time.sleep(0.2)
+        workers = _children(proc.pid)
+        assert len(workers) == 2
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+        _kill_all(proc)
     assert proc.returncode == -signal.SIGKILL
+    time.sleep(1)  # the kernel reaps the orphaned workers
+    assert not any(Path(f"/proc/{w}").exists() and "Z" not in _state(w) for w in workers)
     before = [r["step"] for r in metrics(out)]
     assert before and max(before) < STEPS - 1, "the run finished before it was killed"
 
@@ -59,3 +92,18 @@ def test_resume_with_changed_options_is_refused(tmp_path):
     res = torchrun("--output-dir", str(out), "--steps", "2", *SMALL, "--lr", "0.1", "--resume")
     assert res.returncode != 0
     assert "--resume with different options: lr" in res.stderr
+
+
+def test_second_writer_is_refused(tmp_path):
+    out = tmp_path / "run"
+    proc = _start(out, steps=1000)  # still running when the second launch arrives
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "run.json").is_file():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        res = torchrun("--output-dir", str(out), "--steps", "1000", *SMALL, "--resume")
+        assert proc.poll() is None and res.returncode != 0
+        assert "another process is still writing to it" in res.stderr
+    finally:
+        _kill_all(proc)
