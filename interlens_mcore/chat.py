@@ -19,6 +19,7 @@ class ChatFormat:
 
     tokenizer: Any  # a transformers tokenizer with a chat template
     _cache: dict[str, list[int]] = field(default_factory=dict, repr=False)
+    _frames: dict[str, tuple[str, str] | None] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if not getattr(self.tokenizer, "chat_template", None):
@@ -47,7 +48,27 @@ class ChatFormat:
 
     def message_ids(self, role: str, content: str) -> list[int]:
         """Token ids of one message rendered on its own."""
-        return self.encode(self._render([{"role": role, "content": content}], False))
+        frame = self._frame(role)
+        if frame is None:
+            return self.encode(self._render([{"role": role, "content": content}], False))
+        return self.encode(frame[0] + content + frame[1])
+
+    def _frame(self, role: str) -> tuple[str, str] | None:
+        """(text before, text after) the content, when the template inserts content verbatim.
+
+        Rendering a template costs far more than tokenizing, and a rollout renders every
+        environment message once per policy view; so the frame is found once per role and
+        checked with two probes (whitespace included, so a template that strips or edits the
+        content is noticed and rendered in full every time instead).
+        """
+        if role not in self._frames:
+            probes = [" \x00a\x00 ", "\x00bb\x00\n"]
+            renders = [self._render([{"role": role, "content": p}], False) for p in probes]
+            head = renders[0].split(probes[0])[0]
+            tail = renders[0][len(head) + len(probes[0]) :]
+            ok = all(r == head + p + tail for p, r in zip(probes, renders))
+            self._frames[role] = (head, tail) if ok else None
+        return self._frames[role]
 
     def generation_prompt_ids(self) -> list[int]:
         """Ids that open an assistant turn (e.g. `<|im_start|>assistant\\n`)."""
