@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Run every benchmark, write benchmarks/results/*.json, PNG plots and benchmarks/RESULTS.md.
+#
+#   bash launch/bench_all.sh
+#
+# Knobs (environment variables, defaults sized for ~10-15 minutes on 2 CPU cores):
+#   ROLLOUT_CONVS=8,32,128 ROLLOUT_NEW=16 SEQ_SAMPLE=8   rollout throughput
+#   TURNS=2,4,8,16 TURNS_CONVS=32 TURNS_NEW=16 REPEATS=3  key/value reuse vs re-encoding
+#   GROWTH_CONVS=1,4,16,64,256 GROWTH_TURNS=1,2,4,8,16 GROWTH_NEW=8
+#   TRAIN_STEPS=4 TRAIN_BATCH=16                          training-step breakdown (2 ranks)
+#   TRL_VERSION=1.16.0 (empty: skip installing TRL)       peer comparison
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=benchmarks/results
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+start=$(date +%s)
+
+# the last stdout line of every benchmark is its JSON object
+last() { tail -n 1; }
+step() { echo "[bench_all $(( $(date +%s) - start ))s] $*" >&2; }
+
+step rollout
+python benchmarks/bench_rollout.py --json --conversations "${ROLLOUT_CONVS:-8,32,128}" \
+    --max-new-tokens "${ROLLOUT_NEW:-16}" --sequential-sample "${SEQ_SAMPLE:-8}" | last > "$OUT/rollout.json"
+step turns
+python benchmarks/bench_turns.py --json --turns "${TURNS:-2,4,8,16}" --conversations "${TURNS_CONVS:-32}" \
+    --max-new-tokens "${TURNS_NEW:-16}" --repeats "${REPEATS:-3}" | last > "$OUT/turns.json"
+step tensors
+python benchmarks/bench_tensors.py --json | last > "$OUT/tensors.json"
+step growth
+python benchmarks/bench_growth.py --json --conversations "${GROWTH_CONVS:-1,4,16,64,256}" \
+    --turns "${GROWTH_TURNS:-1,2,4,8,16}" --max-new-tokens "${GROWTH_NEW:-8}" | last > "$OUT/growth.json"
+step vote
+torchrun --nproc_per_node=2 benchmarks/bench_vote.py --json | last > "$OUT/vote.json"
+
+train() {  # name, then options for launch/train_grpo.py's parser
+    local name=$1; shift
+    step "train $name"
+    torchrun --nproc_per_node=2 benchmarks/bench_train_step.py --json --steps "${TRAIN_STEPS:-4}" \
+        --batch-size "${TRAIN_BATCH:-16}" "$@" | last > "$OUT/train_$name.json"
+}
+train megatron_tp1_dp2 --backend megatron --tp 1
+train megatron_tp2_dp1 --backend megatron --tp 2
+train deepspeed_zero1 --backend deepspeed --zero-stage 1
+train deepspeed_zero3 --backend deepspeed --zero-stage 3
+
+step trl
+if [ -n "${TRL_VERSION-1.16.0}" ]; then
+    # a benchmark-only extra; this version needs no new torch (checked with pip install --dry-run)
+    pip install -q "trl==${TRL_VERSION-1.16.0}" >&2 || echo "pip install trl failed" >&2
+fi
+python benchmarks/bench_trl.py --json --steps "${TRAIN_STEPS:-4}" --batch-size "${TRAIN_BATCH:-16}" \
+    | last > "$OUT/trl.json"
+
+step "plots and table"
+python launch/bench_report.py "$OUT" benchmarks/RESULTS.md
+step "done in $(( $(date +%s) - start ))s"

@@ -1,0 +1,154 @@
+"""Plots (PNG) and the markdown results table from benchmarks/results/*.json.
+
+python launch/bench_report.py benchmarks/results benchmarks/RESULTS.md
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display where benchmarks run
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def load(folder: Path) -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))}
+
+
+def plot_growth(g: dict, out: Path) -> None:
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for ax, key, x in ((axes[0], "by_conversations", "conversations"), (axes[1], "by_turns", "turns")):
+        rows = g[key]
+        for engine in ("reuse", "reencode"):
+            ax.plot([r[x] for r in rows], [r[f"{engine}_s"] for r in rows], marker="o", label=engine)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(x)
+        ax.set_ylabel("rollout wall time (s)")
+        ax.legend()
+    axes[0].set_title(f"{g['by_conversations'][0]['turns']} turns")
+    axes[1].set_title(f"{g['by_turns'][0]['conversations']} conversations")
+    _save(fig, out)
+
+
+def plot_turns(t: dict, out: Path) -> None:
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    rows = t["runs"]
+    for engine in ("reuse", "reencode"):
+        ax.plot([r["turns"] for r in rows], [r[f"{engine}_s"] for r in rows], marker="o", label=engine)
+    ax.set_xlabel("policy turns")
+    ax.set_ylabel(f"wall time, {t['conversations']} conversations (s)")
+    ax.set_title("key/value reuse vs re-encoding (medians)")
+    ax.legend()
+    _save(fig, out)
+
+
+def plot_train(res: dict[str, dict], out: Path) -> None:
+    runs = [res[k] for k in sorted(res) if k.startswith("train_")]
+    phases = ("rollout", "batch", "forward_backward", "optimizer", "other")
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    bottom = [0.0] * len(runs)
+    for p in phases:
+        vals = [max(0.0, r[f"{p}_s"]) for r in runs]
+        ax.bar([r["config"] for r in runs], vals, bottom=bottom, label=p)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_ylabel("seconds per step (median)")
+    ax.tick_params(axis="x", labelsize=8)
+    ax.legend(fontsize=8)
+    _save(fig, out)
+
+
+def _save(fig, out: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def machine() -> str:
+    import torch
+
+    load = os.getloadavg()[0]
+    return (
+        f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), no GPU, "
+        f"Python {platform.python_version()}, torch {torch.__version__}; 1-minute load average "
+        f"{load:.1f} when the report was written (the cores were shared with other jobs)"
+    )
+
+
+def table(res: dict[str, dict]) -> list[str]:
+    """Markdown rows: what was compared, the measured ratio or time, and the aim if any."""
+    rows = ["| Measure | Result | Aim |", "|---|---|---|"]
+    r = res.get("rollout")
+    for run in (r.get("runs") or [r]) if r else []:
+        rows.append(
+            f"| Rollout, {run['conversations']} conv x {run['turns']} turns x {run['max_new_tokens']} tok: "
+            f"co_step batched vs one at a time / vs transformers `generate` loop | "
+            f"{run['speedup']}x / {run['speedup_vs_hf_generate']}x "
+            f"(engine time {run['engine_time_fraction']:.0%}) "
+            f"| >= 20x at 128 |"
+        )
+    t = res.get("turns")
+    for run in t["runs"] if t else []:
+        rows.append(
+            f"| KV reuse vs re-encoding, {t['conversations']} conv, {run['turns']} turns "
+            f"(median of {t['repeats']}) | {run['speedup']}x ({run['reuse_s']} s vs {run['reencode_s']} s), "
+            f"same tokens: {run['same_tokens']} | >= 2x at 8 |"
+        )
+    if "tensors" in res:
+        x = res["tensors"]
+        rows.append(
+            f"| Tensors, {x['trajectories']} traj x {x['turns']} turns: "
+            "packed build / padded build / fwd+bwd | "
+            f"{x['build_ms']} ms / {x['build_padded_ms']} ms / {x['fwd_bwd_ms']} ms; padding "
+            f"{x['padding_fraction_packed']:.2%} packed vs {x['padding_fraction_padded']:.1%} padded | |"
+        )
+    if "vote" in res:
+        v = res["vote"]
+        rows.append(
+            f"| Vote, 2 ranks, {v['rounds']} rounds | {v['vote_ms_per_round']} ms/round mean "
+            f"({v['vote_ms_median']} median) vs {v['turn_ms_per_round']} ms/round of turns; "
+            f"{v['vote_fraction']:.1%} of rollout time | |"
+        )
+    for k in sorted(res):
+        if k.startswith("train_"):
+            s = res[k]
+            rows.append(
+                f"| Step, {s['config']}, {s['batch_size']} conv/rank (median of {s['steps'] - 1}) | "
+                f"{s['step_s']} s = rollout {s['rollout_s']} + batch {s['batch_s']} + fwd/bwd "
+                f"{s['forward_backward_s']} + optimizer {s['optimizer_s']} + other {s['other_s']} | |"
+            )
+    if "trl" in res:
+        p = res["trl"]
+        got = (
+            f"TRL {p['trl_version']} {p['trl_step_s']} s vs ours {p['ours_step_s']} s: "
+            f"TRL/ours = {p['trl_over_ours']}"
+            if "trl_step_s" in p
+            else f"TRL did not run: {p.get('trl_error')}"
+        )
+        rows.append(f"| Step vs TRL GRPOTrainer, 1 process, {p['batch_size']} completions | {got} | >= 1 |")
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    folder, md = Path(argv[0]), Path(argv[1])
+    res = load(folder)
+    if "growth" in res:
+        plot_growth(res["growth"], folder / "growth.png")
+    if "turns" in res:
+        plot_turns(res["turns"], folder / "turns.png")
+    if any(k.startswith("train_") for k in res):
+        plot_train(res, folder / "train_step.png")
+    text = ["## Benchmark results", "", f"Machine: {machine()}.", "", *table(res), ""]
+    text += ["Plots: `benchmarks/results/growth.png`, `turns.png`, `train_step.png`.", ""]
+    md.write_text("\n".join(text))
+    print(md.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
