@@ -17,18 +17,19 @@ from __future__ import annotations
 import json
 import time
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from interlens_mcore import parallel
-from interlens_mcore.batch import TrainingBatch
+from interlens_mcore.batch import TrainingBatch, build_batch
 from interlens_mcore.envs import guess_tasks
 from interlens_mcore.loss import LossConfig, batch_loss, finalize_metrics, merge_metrics
 from interlens_mcore.mixin import Rollout, RolloutConfig, RolloutMixin
 from interlens_mcore.sampling import mix_seed
+from interlens_mcore.trajectory import Trajectory
 
 from . import checkpoint
 from .metrics_log import MetricsLog
@@ -173,8 +174,6 @@ class GRPOTrainer(RolloutMixin, ABC):
     def _placeholder(self, rollout: Rollout) -> TrainingBatch:
         # stands in for an empty micro-batch so collectives stay aligned; its loss is scaled by 0
         first = next(t for t in rollout.trajectories if t.num_trained_tokens > 0)
-        from interlens_mcore.batch import build_batch
-
         cfg = self.rollout_config
         return build_batch([first], [0.0], layout=cfg.layout, pad_to_multiple=cfg.pad_to_multiple)
 
@@ -239,15 +238,9 @@ class GRPOTrainer(RolloutMixin, ABC):
         self.step = int(state["step"])
         return self.step
 
-    def describe(self) -> dict:
-        return {k: asdict(v) for k, v in (("trainer", self.config), ("rollout", self.rollout_config))}
-
 
 def _zero_metrics() -> dict[str, torch.Tensor]:
     """The metric keys of `grpo_loss`, all zero (for a rank that trained on nothing)."""
-    from interlens_mcore.batch import build_batch
-    from interlens_mcore.trajectory import Trajectory
-
     t = Trajectory(token_ids=[0, 1], loss_mask=[0, 1], rollout_logprobs=None)
     b = build_batch([t], [0.0])
     _, m = batch_loss(torch.zeros(b.input_ids.shape), b, LossConfig(), num_tokens=1, num_sequences=1)

@@ -20,11 +20,11 @@ from interlens_mcore import parallel
 from interlens_mcore.batch import TrainingBatch
 from interlens_mcore.logprobs import token_logprobs, vocab_parallel_token_logprobs
 from interlens_mcore.megatron import build_model, export_hf, forward_logits, load_hf_weights, load_layout
+from interlens_mcore.megatron.engine import MegatronEngine
 from interlens_mcore.megatron.model import vocab_start
 from interlens_mcore.mixin import Rollout
 
 from .base import GRPOTrainer
-from .megatron_engine import MegatronEngine
 
 
 class MegatronGRPOTrainer(GRPOTrainer):
