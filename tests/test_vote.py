@@ -141,3 +141,71 @@ def test_vote_follows_the_rollout_group(tiny_path, tp):
         assert (r0, r1) == ((0,), (1,)) and (c0, c1) == (1, 3)
     else:  # TP=2: both ranks form one rollout group; the idle one keeps calling
         assert r0 == r1 == (0, 1) and c0 == c1 == 3
+
+
+def _uneven_multi_turn(rank, world, tiny_path, fail_rank):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from interlens_mcore import (
+        ChatFormat,
+        EngineRollout,
+        HFEngine,
+        MultiTurnRequest,
+        RolloutError,
+        SamplingParams,
+        ToolScheduler,
+        parallel,
+        run_multi_turn,
+    )
+
+    tok = AutoTokenizer.from_pretrained(tiny_path)
+    chat = ChatFormat(tok)
+    engine = Counting(HFEngine(AutoModelForCausalLM.from_pretrained(tiny_path), tok))
+    rollout = EngineRollout(engine, chat, seed=3)
+    cfg = SamplingParams(temperature=1.0, max_new_tokens=5)
+
+    def tool(text):
+        if rank == fail_rank and engine.calls and len(engine.calls) == 3:
+            raise ConnectionError("calculator unreachable")
+        return "result 7"
+
+    class Calculator(ToolScheduler):
+        def check_finished(self, request, response_choice, current_turn):
+            return False  # short replies end at their token cap; keep going until max_turns
+
+    groups = parallel.build_groups(rollout="world", vote_timeout_s=60)
+    opening = [{"role": "user", "content": "add 3 and 4"}]
+    requests = [MultiTurnRequest.from_messages(chat, opening, index=10 * rank + i) for i in range(2)]
+    max_turns = 1 if rank == 0 else 5
+    # the first turn, as a trainer's first generate call would produce it
+    first = rollout(requests, cfg)
+    try:
+        outs = run_multi_turn(
+            requests,
+            first,
+            Calculator(chat, tool),
+            rollout,
+            cfg,
+            max_turns,
+            groups.gather_fn(),
+            rank=groups.rollout_rank,
+        )
+    except RolloutError as exc:
+        return "error", str(exc), len(engine.calls)
+    return "ok", [o.num_turns for o in outs], len(engine.calls)
+
+
+def test_run_multi_turn_uneven_turns_finish(tiny_path):
+    (s0, turns0, calls0), (s1, turns1, calls1) = run_ranks(
+        _uneven_multi_turn, 2, str(tiny_path), -1, timeout=120
+    )
+    assert (s0, s1) == ("ok", "ok")
+    assert turns0 == [1, 1] and turns1 == [5, 5]
+    # first turn + 4 voted rounds on both ranks: the idle rank kept calling with no rows
+    assert calls0 == calls1 == 5
+
+
+def test_run_multi_turn_failure_on_one_rank_fails_both(tiny_path):
+    (s0, msg0, _), (s1, msg1, _) = run_ranks(_uneven_multi_turn, 2, str(tiny_path), 1, timeout=120)
+    assert s0 == s1 == "error" and msg0 == msg1
+    assert "rank 1: ConnectionError: calculator unreachable" in msg0
