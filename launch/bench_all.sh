@@ -8,7 +8,9 @@
 #   TURNS=2,4,8,16 TURNS_CONVS=32 TURNS_NEW=16 REPEATS=3  key/value reuse vs re-encoding
 #   GROWTH_CONVS=1,4,16,64,256 GROWTH_TURNS=1,2,4,8,16 GROWTH_NEW=8
 #   TRAIN_STEPS=4 TRAIN_BATCH=16                          training-step breakdown (2 ranks)
+#   TENSORS_TRAJ=256                                      packed vs padded tensors
 #   TRL_VERSION=1.16.0 (empty: skip installing TRL)       peer comparison
+#   RESUME=1: skip every benchmark whose JSON is already in benchmarks/results
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=benchmarks/results
@@ -19,24 +21,27 @@ start=$(date +%s)
 # the last stdout line of every benchmark is its JSON object
 last() { tail -n 1; }
 step() { echo "[bench_all $(( $(date +%s) - start ))s] $*" >&2; }
+# with RESUME=1, a benchmark whose non-empty JSON exists is not run again
+todo() { [ -z "${RESUME:-}" ] || [ ! -s "$OUT/$1.json" ]; }
 
 step rollout
-python benchmarks/bench_rollout.py --json --conversations "${ROLLOUT_CONVS:-8,32,128}" \
+todo rollout && python benchmarks/bench_rollout.py --json --conversations "${ROLLOUT_CONVS:-8,32,128}" \
     --max-new-tokens "${ROLLOUT_NEW:-16}" --sequential-sample "${SEQ_SAMPLE:-8}" | last > "$OUT/rollout.json"
 step turns
-python benchmarks/bench_turns.py --json --turns "${TURNS:-2,4,8,16}" --conversations "${TURNS_CONVS:-32}" \
+todo turns && python benchmarks/bench_turns.py --json --turns "${TURNS:-2,4,8,16}" --conversations "${TURNS_CONVS:-32}" \
     --max-new-tokens "${TURNS_NEW:-16}" --repeats "${REPEATS:-3}" | last > "$OUT/turns.json"
 step tensors
-python benchmarks/bench_tensors.py --json | last > "$OUT/tensors.json"
+todo tensors && python benchmarks/bench_tensors.py --json --trajectories "${TENSORS_TRAJ:-256}" | last > "$OUT/tensors.json"
 step growth
-python benchmarks/bench_growth.py --json --conversations "${GROWTH_CONVS:-1,4,16,64,256}" \
+todo growth && python benchmarks/bench_growth.py --json --conversations "${GROWTH_CONVS:-1,4,16,64,256}" \
     --turns "${GROWTH_TURNS:-1,2,4,8,16}" --max-new-tokens "${GROWTH_NEW:-8}" | last > "$OUT/growth.json"
 step vote
-torchrun --nproc_per_node=2 benchmarks/bench_vote.py --json | last > "$OUT/vote.json"
+todo vote && torchrun --nproc_per_node=2 benchmarks/bench_vote.py --json | last > "$OUT/vote.json"
 
 train() {  # name, then options for launch/train_grpo.py's parser
     local name=$1; shift
     step "train $name"
+    todo "train_$name" || return 0
     torchrun --nproc_per_node=2 benchmarks/bench_train_step.py --json --steps "${TRAIN_STEPS:-4}" \
         --batch-size "${TRAIN_BATCH:-16}" "$@" | last > "$OUT/train_$name.json"
 }
