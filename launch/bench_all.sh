@@ -7,7 +7,7 @@
 #   ROLLOUT_CONVS=8,32,128 ROLLOUT_NEW=16 SEQ_SAMPLE=8   rollout throughput
 #   TURNS=2,4,8,16 TURNS_CONVS=32 TURNS_NEW=16 REPEATS=3  key/value reuse vs re-encoding
 #   GROWTH_CONVS=1,4,16,64,256 GROWTH_TURNS=1,2,4,8,16 GROWTH_NEW=8
-#   TRAIN_STEPS=4 TRAIN_BATCH=16                          training-step breakdown (2 ranks)
+#   TRAIN_STEPS=4 TRAIN_BATCH=16 TRAIN_TIMEOUT=240                          training-step breakdown (2 ranks)
 #   TENSORS_TRAJ=256                                      packed vs padded tensors
 #   TRL_VERSION=1.16.0 (empty: skip installing TRL)       peer comparison
 #   RESUME=1: skip every benchmark whose JSON is already in benchmarks/results
@@ -42,8 +42,12 @@ train() {  # name, then options for launch/train_grpo.py's parser
     local name=$1; shift
     step "train $name"
     todo "train_$name" || return 0
-    torchrun --nproc_per_node=2 benchmarks/bench_train_step.py --json --steps "${TRAIN_STEPS:-4}" \
-        --batch-size "${TRAIN_BATCH:-16}" "$@" | last > "$OUT/train_$name.json"
+    # a hung configuration is recorded as an error instead of stopping the other benchmarks
+    if ! timeout "${TRAIN_TIMEOUT:-240}" torchrun --nproc_per_node=2 benchmarks/bench_train_step.py --json \
+        --steps "${TRAIN_STEPS:-4}" --batch-size "${TRAIN_BATCH:-16}" "$@" | last > "$OUT/train_$name.json"; then
+        echo "{\"config\": \"$name\", \"error\": \"failed or exceeded ${TRAIN_TIMEOUT:-240} s (exit ${PIPESTATUS[0]})\"}" \
+            > "$OUT/train_$name.json"
+    fi
 }
 train megatron_tp1_dp2 --backend megatron --tp 1
 train megatron_tp2_dp1 --backend megatron --tp 2

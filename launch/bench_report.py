@@ -49,7 +49,7 @@ def plot_turns(t: dict, out: Path) -> None:
 
 
 def plot_train(res: dict[str, dict], out: Path) -> None:
-    runs = [res[k] for k in sorted(res) if k.startswith("train_")]
+    runs = [res[k] for k in sorted(res) if k.startswith("train_") and "error" not in res[k]]
     phases = ("rollout", "batch", "forward_backward", "optimizer", "other")
     fig, ax = plt.subplots(figsize=(7, 3.8))
     bottom = [0.0] * len(runs)
@@ -115,7 +115,9 @@ def table(res: dict[str, dict]) -> list[str]:
             f"{v['vote_fraction']:.1%} of rollout time | |"
         )
     for k in sorted(res):
-        if k.startswith("train_"):
+        if k.startswith("train_") and "error" in res[k]:
+            rows.append(f"| Step, {res[k]['config']} | {res[k]['error']} | |")
+        elif k.startswith("train_"):
             s = res[k]
             rows.append(
                 f"| Step, {s['config']}, {s['batch_size']} conv/rank (median of {s['steps'] - 1}) | "
