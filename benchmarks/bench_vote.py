@@ -5,8 +5,8 @@
 Each rank co-steps its own conversations on the tiny model; rank r's run for turns + r policy
 turns, so the ranks finish in different rounds and the idle one keeps voting. The vote is
 `parallel.build_groups(rollout="world").gather_fn()` (gloo side group), timed by wrapping it.
-A vote's time includes waiting for the slower rank to arrive, so the figure is an upper bound
-on the vote's own cost; `vote_ms_median` (median over rounds) is less skewed by it.
+Before each vote a barrier lines the ranks up, so the vote's own cost is timed apart from
+the wait for the slower rank (`wait_ms_per_round`, load imbalance, not counted as vote).
 Rank 0 prints one JSON object as the last line.
 """
 
@@ -22,16 +22,23 @@ from interlens_mcore import HFEngine, co_step, parallel
 from interlens_mcore.assets import load_tiny
 
 
-def timed_gather(gather):
-    """The gather_fn with every call's seconds appended to `.calls`."""
+def timed_gather(gather, group):
+    """The gather_fn, timed apart from the wait for the slower rank.
+
+    A barrier first lines the ranks up (its seconds go to `.waits`: load imbalance, not the
+    vote), then the vote itself is timed (`.calls`).
+    """
 
     def wrapped(items):
         t0 = time.perf_counter()
+        parallel.barrier(group)
+        t1 = time.perf_counter()
         out = gather(items)
-        wrapped.calls.append(time.perf_counter() - t0)
+        wrapped.waits.append(t1 - t0)
+        wrapped.calls.append(time.perf_counter() - t1)
         return out
 
-    wrapped.calls = []
+    wrapped.calls, wrapped.waits = [], []
     return wrapped
 
 
@@ -39,7 +46,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--conversations", type=int, default=16, help="per rank")
     ap.add_argument("--turns", type=int, default=4, help="policy turns on rank 0 (rank r: turns + r)")
-    ap.add_argument("--max-new-tokens", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # the ranks share the cores
@@ -50,12 +57,12 @@ def main(argv: list[str] | None = None) -> dict | None:
         engine = HFEngine(model, tok)
         policy = stop_free_policy(engine, tok, args.max_new_tokens)
         co_step(make_convs(policy, 2, 1, tag="warm"), gather_fn=groups.gather_fn(), rank=groups.rank)
-        gather = timed_gather(groups.gather_fn())
+        gather = timed_gather(groups.gather_fn(), groups.vote)
         convs = make_convs(policy, args.conversations, args.turns + groups.rank, tag=f"r{groups.rank}-")
         parallel.barrier()
         t0 = time.perf_counter()
         co_step(convs, gather_fn=gather, rank=groups.rank)
-        wall = time.perf_counter() - t0
+        wall = time.perf_counter() - t0 - sum(gather.waits)  # the rollout without the barriers
         rounds = len(gather.calls)
         out = {
             "ranks": groups.world_size,
@@ -66,6 +73,7 @@ def main(argv: list[str] | None = None) -> dict | None:
             "vote_ms_median": round(1000 * median(gather.calls), 3),
             "turn_ms_per_round": round(1000 * (wall - sum(gather.calls)) / rounds, 3),
             "vote_fraction": round(sum(gather.calls) / wall, 4),
+            "wait_ms_per_round": round(1000 * sum(gather.waits) / rounds, 3),
         }
         return emit(out, args.json) if groups.rank == 0 else None
     finally:

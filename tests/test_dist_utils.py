@@ -31,3 +31,18 @@ def test_hang_is_a_failure():
     with pytest.raises(TimeoutError):
         run_ranks(_hang_on_rank1, 2, timeout=8)
     assert time.monotonic() - t0 < 30
+
+
+def _gather_small_and_large(rank, world):
+    from interlens_mcore import parallel
+
+    small = parallel.all_gather_small({"rank": rank, "rows": {"k": ("policy", rank)}})
+    # one rank's object overflows the fast buffer: both ranks fall back together
+    large = parallel.all_gather_small("x" * (10_000 if rank == 1 else 3))
+    return small, [len(x) for x in large]
+
+
+def test_all_gather_small_fast_path_and_fallback():
+    out = run_ranks(_gather_small_and_large, 2)
+    expected_small = [{"rank": 0, "rows": {"k": ("policy", 0)}}, {"rank": 1, "rows": {"k": ("policy", 1)}}]
+    assert out == [(expected_small, [3, 10_000])] * 2
