@@ -9,7 +9,7 @@ from options import Options, UsageError, model_folder
 from interlens_mcore import parallel
 from interlens_mcore.loss import LossConfig
 from interlens_mcore.mixin import RolloutConfig
-from trainers import DeepSpeedGRPOTrainer, GRPOTrainer, MegatronGRPOTrainer, TrainerConfig, deepspeed_config
+from trainers import GRPOTrainer, TrainerConfig
 
 
 def configs(opts: Options) -> tuple[TrainerConfig, RolloutConfig, LossConfig]:
@@ -52,6 +52,17 @@ def configs(opts: Options) -> tuple[TrainerConfig, RolloutConfig, LossConfig]:
     return trainer, rollout, loss
 
 
+def import_backend(opts: Options) -> None:
+    """Import megatron-core or DeepSpeed once the options are known to be valid.
+
+    Late because both print warnings on import, which must not reach the one-line error of a
+    bad-input run.
+    """
+    import trainers
+
+    getattr(trainers, "MegatronGRPOTrainer" if opts.backend == "megatron" else "DeepSpeedGRPOTrainer")
+
+
 def build_trainer(opts: Options, run_info: dict) -> GRPOTrainer:
     """Collective: process groups, the model and the trainer for --backend."""
     from transformers import AutoTokenizer
@@ -67,9 +78,13 @@ def build_trainer(opts: Options, run_info: dict) -> GRPOTrainer:
         run_info=run_info,
     )
     if opts.backend == "megatron":
+        from trainers import MegatronGRPOTrainer
+
         parallel.init_megatron(opts.tp)
         groups = parallel.build_groups(rollout="model_parallel")
         return MegatronGRPOTrainer(model_path=path, groups=groups, **common)
+    from trainers import DeepSpeedGRPOTrainer, deepspeed_config
+
     rollout = "data_parallel" if opts.zero_stage == 3 else "model_parallel"
     groups = parallel.build_groups(rollout=rollout)
     per_rank = opts.batch_size

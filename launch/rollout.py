@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from backends import build_trainer, configs  # noqa: E402
+from backends import build_trainer, configs, import_backend  # noqa: E402
 from options import UsageError, parse, validate  # noqa: E402
 
 from interlens_mcore import parallel  # noqa: E402
@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"rollout.py: error: {exc}", file=sys.stderr)
         return 2
+    import_backend(opts)
     torch.set_num_threads(1)
     parallel.init_distributed()
     try:

@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from backends import build_trainer, configs  # noqa: E402
+from backends import build_trainer, configs, import_backend  # noqa: E402
 from options import (  # noqa: E402
     UsageError,
     check_output_dir,
@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"train_grpo.py: error: {exc}", file=sys.stderr)
         return 2
+    import_backend(opts)
     torch.set_num_threads(1)  # ranks share the cores; one intra-op thread each
     parallel.init_distributed()
     try:

@@ -2,39 +2,15 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from train_utils import ROOT, SMALL, TRAIN, env, metrics, torchrun
+from train_utils import ROOT, SMALL, TRAIN, children, env, kill_all, metrics, torchrun
 
 STEPS = 6
-
-
-def _children(pid: int) -> list[int]:
-    """Direct children of `pid` (torchrun starts its workers in sessions of their own)."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
-
-
-def _kill_all(proc: subprocess.Popen) -> None:
-    """SIGKILL the launcher and every worker, as a machine failure would."""
-    for pid in [*_children(proc.pid), proc.pid]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait(timeout=30)
 
 
 def _start(out, steps: int = STEPS) -> subprocess.Popen:
@@ -66,10 +42,10 @@ def test_resume_after_sigkill(tmp_path):
             assert proc.poll() is None, proc.stderr.read()[-2000:]
             assert time.monotonic() < deadline, "no checkpoint within 180 s"
             time.sleep(0.2)
-        workers = _children(proc.pid)
+        workers = children(proc.pid)
         assert len(workers) == 2
     finally:
-        _kill_all(proc)
+        kill_all(proc)
     assert proc.returncode == -signal.SIGKILL
     time.sleep(1)  # the kernel reaps the orphaned workers
     assert not any(Path(f"/proc/{w}").exists() and "Z" not in _state(w) for w in workers)
@@ -106,4 +82,4 @@ def test_second_writer_is_refused(tmp_path):
         assert proc.poll() is None and res.returncode != 0
         assert "another process is still writing to it" in res.stderr
     finally:
-        _kill_all(proc)
+        kill_all(proc)

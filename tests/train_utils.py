@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,14 +16,39 @@ SMALL = ["--batch-size", "8", "--num-generations", "4", "--max-new-tokens", "4",
 
 
 def env(**extra: str) -> dict[str, str]:
-    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
+    e = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    e.pop("PYTHONWARNINGS", None)  # bad-input tests check that stderr holds exactly one line
     e.update(extra)
     return e
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of `pid` (torchrun starts its workers in sessions of their own)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def kill_all(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher and every worker it started."""
+    for pid in [*children(proc.pid), proc.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=30)
 
 
 def torchrun(
     *args: str, nproc: int = 2, timeout: float = 240, script: Path = TRAIN
 ) -> subprocess.CompletedProcess:
+    """Run to completion; on timeout kill torchrun *and* its workers, which would outlive it."""
     cmd = [
         sys.executable,
         "-m",
@@ -31,7 +57,15 @@ def torchrun(
         f"--nproc_per_node={nproc}",
         str(script),
     ]
-    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout, env=env(), cwd=ROOT)
+    proc = subprocess.Popen(
+        [*cmd, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_all(proc)
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def python(*args: str, timeout: float = 120, **extra_env: str) -> subprocess.CompletedProcess:
