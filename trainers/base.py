@@ -7,7 +7,7 @@ One step::
     metrics  = self.train_on(rollout)                  # micro-batches, GRPO loss, optimizer step
     self.log_step(...); self.maybe_save(step + 1)
 
-A backend implements `policy_logprobs`, `reference_logprobs`, `backward`, `optimizer_step`,
+A backend implements `logprobs_of`, `policy_logprobs`, `backward`, `optimizer_step`,
 `save_state` and `load_state`. A custom trainer usually overrides `compute_rewards`,
 `build_conversation` (the lineup), `scheduler`, `rows_for_step` or `loss`.
 """
@@ -82,8 +82,17 @@ class GRPOTrainer(RolloutMixin, ABC):
         """[B, T] logprobs of batch.targets under the trained model, with gradient."""
 
     @abstractmethod
+    def logprobs_of(self, model: torch.nn.Module, batch: TrainingBatch) -> torch.Tensor:
+        """[B, T] logprobs of batch.targets under `model` (the trained one or the reference)."""
+
+    reference: torch.nn.Module | None = None  # frozen reference model for the KL term
+
     def reference_logprobs(self, batch: TrainingBatch) -> torch.Tensor | None:
         """[B, T] logprobs under the frozen reference model, or None when there is none."""
+        if self.reference is None:
+            return None
+        with torch.no_grad():
+            return self.logprobs_of(self.reference, batch)
 
     @abstractmethod
     def backward(self, loss: torch.Tensor) -> None: ...

@@ -69,7 +69,7 @@ class DeepSpeedGRPOTrainer(GRPOTrainer):
         sync = self.groups.vote if self.zero_stage == 3 else None
         self.engine = HFEngine(self.ds.module, self.tokenizer, sync_group=sync)
 
-    def _logprobs(self, model: torch.nn.Module, batch: TrainingBatch) -> torch.Tensor:
+    def logprobs_of(self, model: torch.nn.Module, batch: TrainingBatch) -> torch.Tensor:
         attention = (batch.sample_ids >= 0).long()  # [N, T] right padding
         logits = model(
             input_ids=batch.input_ids, attention_mask=attention, position_ids=batch.position_ids
@@ -79,13 +79,7 @@ class DeepSpeedGRPOTrainer(GRPOTrainer):
 
     def policy_logprobs(self, batch: TrainingBatch) -> torch.Tensor:
         self.ds.train()
-        return self._logprobs(self.ds, batch)
-
-    def reference_logprobs(self, batch: TrainingBatch) -> torch.Tensor | None:
-        if self.reference is None:
-            return None
-        with torch.no_grad():
-            return self._logprobs(self.reference, batch)
+        return self.logprobs_of(self.ds, batch)
 
     def backward(self, loss: torch.Tensor) -> None:
         # DeepSpeed averages over DP ranks and divides by the accumulation steps; the loss is

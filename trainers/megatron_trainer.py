@@ -72,7 +72,7 @@ class MegatronGRPOTrainer(GRPOTrainer):
         )
 
     # -- backend --------------------------------------------------------------------------------
-    def _logprobs(self, model: torch.nn.Module, batch: TrainingBatch) -> torch.Tensor:
+    def logprobs_of(self, model: torch.nn.Module, batch: TrainingBatch) -> torch.Tensor:
         if batch.layout != "packed" or batch.num_tokens != batch.input_ids.shape[1]:
             raise ValueError("MegatronGRPOTrainer needs packed batches without padding (pad_to_multiple=1)")
         logits = forward_logits(model, self.layout, batch.input_ids, batch.cu_seqlens)  # [T, V_pad / tp]
@@ -88,13 +88,7 @@ class MegatronGRPOTrainer(GRPOTrainer):
 
     def policy_logprobs(self, batch: TrainingBatch) -> torch.Tensor:
         self.train_model.train()
-        return self._logprobs(self.train_model, batch)
-
-    def reference_logprobs(self, batch: TrainingBatch) -> torch.Tensor | None:
-        if self.reference is None:
-            return None
-        with torch.no_grad():
-            return self._logprobs(self.reference, batch)
+        return self.logprobs_of(self.train_model, batch)
 
     def backward(self, loss: torch.Tensor) -> None:
         # DDP averages gradients over DP, but the loss is already divided by global counts
