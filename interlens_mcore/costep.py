@@ -57,6 +57,9 @@ def co_step(
 ) -> list[Conversation]:
     """Advance every conversation by `turns` turns, or until its stop conditions fire (None).
 
+    A round is one policy turn of every active conversation, generated together per schedule
+    signature; the environment, tool and scripted turns in between run before it.
+
     With a distributed `gather_fn` (see `parallel.make_gather_fn`) the ranks vote before each
     round; a rank with nothing left joins every engine call with an empty batch while any
     rank works, and a failure on one rank raises the same RolloutError on all of them.
@@ -80,20 +83,27 @@ def co_step(
                 groups[_key(schedule_signature(c, turns))].append(c)
     except Exception as exc:  # carried in the first vote, so every rank fails alike
         error, groups = exc, {}
+    # a conversation's own turn limit: `turns` more than it had on entry
+    limit = {id(c): c.turns_taken + turns for c in convs} if turns is not None else {}
+
+    def open_(c: Conversation) -> bool:
+        return not c.finished and (turns is None or c.turns_taken < limit[id(c)])
+
     budget = turns if turns is not None else max_rounds
     for round_idx in range(budget + 1):
-        active = {k: [c for c in g if not c.finished] for k, g in groups.items()}
-        active = {k: g for k, g in active.items() if g}
-        rows = {}
-        for k, g in active.items():
-            speakers = [c.speaker for c in g if isinstance(c.speaker, Policy)]
-            if speakers:
-                rows[k] = (speakers[0].engine.name, len(speakers))
+        if error is None:  # environment / tool turns first, so the vote sees who will generate
+            try:
+                _python_until_policy(convs, open_, max_rounds)
+            except Exception as exc:
+                error = exc
+        # open conversations now face a policy (unless a Python turn just failed)
+        active = {k: [c for c in g if open_(c) and isinstance(c.speaker, Policy)] for k, g in groups.items()}
+        rows = {k: (g[0].speaker.engine.name, len(g)) for k, g in active.items() if g}
         done_turns = round_idx >= budget
         ballots = cast_vote(
             gather_fn,
             rank=rank,
-            active=bool(active) and not (done_turns and turns is not None),
+            active=bool(rows) and not (done_turns and turns is not None),
             error=error,
             payload={"rows": rows},
         )
@@ -106,21 +116,35 @@ def co_step(
                 "rounds; give them stop conditions (run_until, stop_when) or pass turns"
             )
         try:
-            _round(active, ballots, registry, max_batch_size, group_seed)
+            _policy_round(active, ballots, registry, max_batch_size, group_seed)
         except Exception as exc:
             error = exc
-    if error is not None:  # a failure in the last round: report it through one more vote
-        cast_vote(gather_fn, rank=rank, active=False, error=error)
     if turns is not None:
         for c in convs:
             c.end(Status.MAX_TURNS, "turns")
     return convs
 
 
-def _round(active, ballots, registry, max_batch_size, group_seed) -> None:
-    """One turn for every active conversation; engine calls aligned across ranks by key."""
-    # decided before any turn is taken: a conversation speaks once per round
-    others = [c for g in active.values() for c in g if not isinstance(c.speaker, Policy)]
+def _python_until_policy(convs: list[Conversation], open_, bound: int) -> None:
+    """Run environment / tool / scripted turns until every open conversation faces a policy.
+
+    One vote per policy round, not per turn: Python turns need no collective, so they run
+    between votes (their failures are carried by the next vote).
+    """
+    for _ in range(bound):
+        waiting = [c for c in convs if open_(c) and not isinstance(c.speaker, Policy)]
+        if not waiting:
+            return
+        asyncio.run(_python_turns(waiting))
+    left = [c.id for c in convs if open_(c)][:5]
+    raise RuntimeError(
+        f"co_step: conversations {left} took {bound} turns without a policy turn or a stop; "
+        "give them stop conditions (run_until, stop_when) or pass turns"
+    )
+
+
+def _policy_round(active, ballots, registry, max_batch_size, group_seed) -> None:
+    """One policy turn for every active conversation; engine calls aligned across ranks by key."""
     calls = {k: v[0] for b in ballots for k, v in b.payload["rows"].items()}
     for key in sorted(calls):
         if calls[key] not in registry:
@@ -128,13 +152,10 @@ def _round(active, ballots, registry, max_batch_size, group_seed) -> None:
                 f"co_step: another rank generates with engine {calls[key]!r}, which this rank "
                 "does not hold; pass it in co_step(engines=...)"
             )
-        speakers = [c for c in active.get(key, []) if isinstance(c.speaker, Policy)]
         counts = [b.payload["rows"].get(key, ("", 0))[1] for b in ballots]
         width = max_batch_size or max(counts)
         waves = max(math.ceil(n / width) for n in counts)
-        _policy_turns(registry[calls[key]], speakers, waves, width, group_seed)
-    if others:
-        asyncio.run(_python_turns(others))
+        _policy_turns(registry[calls[key]], active.get(key, []), waves, width, group_seed)
 
 
 def _policy_turns(engine: Engine, convs: list[Conversation], waves: int, width: int, group_seed: int) -> None:

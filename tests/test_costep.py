@@ -304,3 +304,23 @@ def test_environment_can_stop_and_async(tiny):
 def test_generation_request_validation():
     with pytest.raises(ValueError, match="prompt_ids is empty"):
         GenerationRequest(prompt_ids=[], max_new_tokens=1, tag="r0")
+
+
+def test_one_vote_per_policy_round(tiny):
+    _, tok = tiny
+    pol = Policy("agent", Endless(), tok, SamplingParams(max_new_tokens=1))
+    ballots = []
+
+    def gather(items):  # the one-process gather, counting the votes
+        ballots.append(items[0])
+        return list(items)
+
+    convs = [
+        Conversation([Feedback(i), pol, Scripted("tool", ["ok"] * 9)], run_until=MaxTurns(9), id=f"v{i}")
+        for i in range(2)
+    ]
+    co_step(convs, turns=None, gather_fn=gather)
+    # 9 turns each = 3 policy turns; the env and tool turns between them need no vote:
+    # 3 rounds that generate + the closing vote in which nobody is active
+    assert [b.active for b in ballots] == [True, True, True, False]
+    assert all(c.turns_taken == 9 for c in convs)
