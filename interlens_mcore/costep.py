@@ -60,11 +60,12 @@ def co_step(
     A round is one policy turn of every active conversation, generated together per schedule
     signature; the environment, tool and scripted turns in between run before it.
 
-    With a distributed `gather_fn` (see `parallel.make_gather_fn`) the ranks vote before each
+    With a distributed `gather_fn` (`parallel.build_groups(...).gather_fn()`) the ranks vote before each
     round; a rank with nothing left joins every engine call with an empty batch while any
     rank works, and a failure on one rank raises the same RolloutError on all of them.
     `engines` names engines a rank must be able to join even if it holds no conversation
-    that uses them.
+    that uses them. With `turns` given, conversations still running after their `turns`
+    turns end with status MAX_TURNS.
     """
     if turns is not None and turns < 0:
         raise ValueError(f"co_step: turns must be >= 0 or None, got {turns}")
