@@ -40,15 +40,6 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Any = None) -> torc
     return tensor
 
 
-def all_reduce_autograd(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
-    """Sum over the group whose backward sums the gradients too (used for vocab-parallel math)."""
-    if world_size(group) == 1:
-        return tensor
-    from torch.distributed.nn.functional import all_reduce as _all_reduce
-
-    return _all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-
-
 def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
     """Every rank's `obj`, in group-rank order."""
     if world_size(group) == 1:
@@ -75,7 +66,7 @@ def all_reduce_replicated(tensor: torch.Tensor, group: Any = None) -> torch.Tens
 
     For partial sums whose result feeds a loss that every rank of the group computes
     identically (vocab-parallel logprobs under TP): each rank then owns the same upstream
-    gradient, so summing it again in backward (as `all_reduce_autograd` does) would scale the
+    gradient, so summing it again in backward (as torch.distributed.nn's all_reduce does) would scale the
     shard gradients by the group size. Same contract as megatron's
     `reduce_from_tensor_model_parallel_region`, but for any group.
     """
