@@ -19,6 +19,7 @@ class Status(str, enum.Enum):
     STOPPED = "stopped"  # a stop condition fired
     MAX_TURNS = "max_turns"  # the caller's turn count ran out
     FAILED = "failed"
+    TIMEOUT = "timeout"  # an environment, tool or scheduler step ran past its time limit
 
 
 @dataclass(kw_only=True)
