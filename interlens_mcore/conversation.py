@@ -9,8 +9,12 @@ the trainer unchanged.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import itertools
+import math
+import threading
+import time
 import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -69,15 +73,20 @@ class Environment(Participant):
     """A participant implemented in Python: an environment, a tool, a user simulator.
 
     Subclass and implement `respond` (sync or async). Return text, a Message, or None to stay
-    silent this turn; call `conv.request_stop(reason)` to end the conversation::
+    silent this turn; call `conv.request_stop(reason)` to end the conversation. A returned
+    Message must name this participant as its speaker and carry no token ids (only a policy's
+    sampled turns do). Set `timeout_s` to bound each of its turns; a turn that runs past it
+    ends the conversation with status TIMEOUT::
 
         class Echo(Environment):
             name = "echo"
+            timeout_s = 5.0
             def respond(self, conv):
                 return "you said: " + conv.messages[-1].content
     """
 
     role: str = "user"  # how policies see this participant's messages
+    timeout_s: float | None = None  # limit of one turn in seconds; None: co_step's step_timeout_s
 
     @abstractmethod
     def respond(self, conv: Conversation) -> Any: ...
@@ -202,15 +211,20 @@ class Conversation:
     # -- committing a turn ------------------------------------------------------------------
     def commit(self, speaker: Participant, message: Message | None, generated: int = 0) -> None:
         """Run hooks, append the message to the transcript and every view, update stops."""
+        if message is not None:
+            self._check_message(speaker, message, f"participant {speaker.name!r} returned")
         for hook in self.hooks:
             if message is None:
                 break
             out = hook(self, message)
+            source = f"hook {getattr(hook, '__name__', hook)!r} returned"
             if out is not None and not isinstance(out, Message):
                 raise ValueError(
-                    f"conversation {self.id}: hook {getattr(hook, '__name__', hook)!r} returned "
-                    f"{type(out).__name__}; expected a Message (keep or edit) or None (drop)"
+                    f"conversation {self.id}: {source} {type(out).__name__}; "
+                    "expected a Message (keep or edit) or None (drop)"
                 )
+            if out is not None:
+                self._check_message(speaker, out, source)
             if out is not None and out is not message and out.token_ids is not None:
                 out.edited = out.edited or out.content != message.content
             message = out
@@ -227,6 +241,24 @@ class Conversation:
             fired = [type(s).__name__ for s in self._stops or [] if s.should_stop(self)]
             if fired:
                 self._finish(Status.STOPPED, fired[0])
+
+    def _check_message(self, speaker: Participant, m: Message, source: str) -> None:
+        """A message may only speak for its own speaker, and only a policy's may carry ids.
+
+        `_append_to_view` trains a message's token ids when its speaker is the policy, so an
+        environment (or a hook) that named a policy as speaker, or attached ids, would put
+        tokens the engine never sampled under loss mask 1.
+        """
+        where = f"conversation {self.id}: {source} a Message"
+        if m.speaker != speaker.name:
+            raise ValueError(f"{where} with speaker {m.speaker!r}; expected its own name {speaker.name!r}")
+        if not isinstance(m.role, str) or not m.role:
+            raise ValueError(f"{where} with role {m.role!r}; expected a non-empty str")
+        if not isinstance(speaker, Policy) and (m.token_ids is not None or m.logprobs is not None):
+            raise ValueError(
+                f"{where} with token_ids/logprobs; expected none: only a policy's sampled turns "
+                "carry them (return the text and it is rendered through the chat template)"
+            )
 
     def _append_to_view(self, p: Policy, m: Message) -> None:
         view = self.views[p.name]
@@ -293,3 +325,103 @@ class Conversation:
 
 async def maybe_await(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
+
+
+# -- time limits of environment, tool and scheduler steps -----------------------------------
+class StepTimeout(Exception):
+    """A limited call ran past its limit (raised by the helpers below, caught by the runners)."""
+
+
+def check_time_limit(value: Any, where: str) -> None:
+    """Raise ValueError naming `where` unless `value` is None or a finite number of seconds > 0."""
+    ok = value is None or (
+        isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    )
+    if not ok:
+        raise ValueError(f"{where} must be a number of seconds > 0 or None, got {value!r}")
+
+
+def _in_daemon_thread(fn: Callable, args: tuple, deliver: Callable[[bool, Any], None]) -> None:
+    """Run fn(*args) in a daemon thread and hand (ok, value or exception) to `deliver`.
+
+    Daemon, and not an executor's worker: a call that never returns must neither block the
+    interpreter's exit nor `asyncio.run`'s shutdown of the default executor.
+    """
+
+    def run() -> None:
+        try:
+            result = (True, fn(*args))
+        except BaseException as exc:  # handed to the caller, which re-raises it
+            result = (False, exc)
+        deliver(*result)
+
+    threading.Thread(target=run, daemon=True, name="interlens-limited-step").start()
+
+
+def call_limited(fn: Callable, *args: Any, limit: float | None) -> Any:
+    """fn(*args) for a synchronous fn; raise StepTimeout if it has not returned after `limit` s.
+
+    With a limit the call runs in a daemon thread. A thread cannot be killed: after a
+    timeout it may still finish later, and what it returns (or raises) is discarded.
+    """
+    if limit is None:
+        return fn(*args)
+    box: list[tuple[bool, Any]] = []
+    done = threading.Event()
+
+    def deliver(ok: bool, value: Any) -> None:
+        box.append((ok, value))
+        done.set()
+
+    _in_daemon_thread(fn, args, deliver)
+    if not done.wait(limit):
+        raise StepTimeout
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
+
+
+async def await_limited(fn: Callable, *args: Any, limit: float | None, serial: asyncio.Lock) -> Any:
+    """fn(*args), sync or async, awaited; raise StepTimeout once `limit` s have passed.
+
+    Without a limit this is today's behaviour: an async fn is awaited, a sync one runs inline.
+    With one, an async fn is awaited under the limit and cancelled when it expires; a sync
+    fn runs in a daemon thread, one at a time under `serial` (sync code was never called
+    concurrently, and need not be thread-safe), its limit counted from when it starts. The
+    thread cannot be killed: after a timeout it may finish later; its result is discarded.
+    """
+    if limit is None:
+        return await maybe_await(fn(*args))
+    if inspect.iscoroutinefunction(fn):
+        return await _within(fn(*args), limit)
+    loop = asyncio.get_running_loop()
+    async with serial:
+        start, future = time.monotonic(), loop.create_future()
+
+        def deliver(ok: bool, value: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(_settle, future, ok, value)
+            except RuntimeError:  # the loop is closed: the caller gave up on this call long ago
+                pass
+
+        _in_daemon_thread(fn, args, deliver)
+        value = await _within(future, limit)
+    if inspect.isawaitable(value):  # a sync fn that hands back a coroutine: the rest of the limit
+        value = await _within(value, limit - (time.monotonic() - start))
+    return value
+
+
+def _settle(future: asyncio.Future, ok: bool, value: Any) -> None:
+    if not future.done():  # a timed-out call's future was cancelled
+        future.set_result(value) if ok else future.set_exception(value)
+
+
+async def _within(awaitable: Any, limit: float) -> Any:
+    # asyncio.wait rather than wait_for: a TimeoutError raised by the call itself stays an error
+    task = asyncio.ensure_future(awaitable)
+    done, _ = await asyncio.wait({task}, timeout=max(limit, 0.0))
+    if task not in done:
+        task.cancel()
+        raise StepTimeout
+    return task.result()

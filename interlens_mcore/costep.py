@@ -19,7 +19,14 @@ from collections.abc import Sequence
 
 import torch
 
-from .conversation import Conversation, Participant, Policy, maybe_await
+from .conversation import (
+    Conversation,
+    Environment,
+    Policy,
+    StepTimeout,
+    await_limited,
+    check_time_limit,
+)
 from .engine import Engine, Generation, GenerationRequest
 from .sampling import mix_seed
 from .trajectory import Message, Status
@@ -54,6 +61,7 @@ def co_step(
     rank: int = 0,
     max_rounds: int = DEFAULT_MAX_ROUNDS,
     engines: Sequence[Engine] = (),
+    step_timeout_s: float | None = None,
 ) -> list[Conversation]:
     """Advance every conversation by `turns` turns, or until its stop conditions fire (None).
 
@@ -66,9 +74,18 @@ def co_step(
     `engines` names engines a rank must be able to join even if it holds no conversation
     that uses them. With `turns` given, conversations still running after their `turns`
     turns end with status MAX_TURNS.
+
+    `step_timeout_s` limits every environment / tool / scripted turn (an `Environment`'s own
+    `timeout_s` wins). A turn past its limit ends that conversation with status TIMEOUT and
+    commits nothing; its trajectories keep the turns before it, and the others carry on (it
+    is not a failure). An async `respond` is cancelled at the limit; a sync one runs in a
+    daemon thread, one at a time, and, as a thread cannot be killed, may finish later: what
+    it returns is discarded, but it still runs, so it should not keep mutating the
+    conversation. Without any limit sync responds run inline.
     """
     if turns is not None and turns < 0:
         raise ValueError(f"co_step: turns must be >= 0 or None, got {turns}")
+    check_time_limit(step_timeout_s, "co_step: step_timeout_s")
     if max_batch_size is not None and max_batch_size < 1:
         raise ValueError(f"co_step: max_batch_size must be >= 1 or None, got {max_batch_size}")
     convs = list(convs)
@@ -78,6 +95,9 @@ def co_step(
     try:
         for c in convs:
             c.start()
+            for p in c.lineup:
+                if isinstance(p, Environment):
+                    check_time_limit(p.timeout_s, f"conversation {c.id}: participant {p.name!r} timeout_s")
         groups: dict[str, list[Conversation]] = defaultdict(list)
         for c in convs:
             if not c.finished:
@@ -94,7 +114,7 @@ def co_step(
     for round_idx in range(budget + 1):
         if error is None:  # environment / tool turns first, so the vote sees who will generate
             try:
-                _python_until_policy(convs, open_, max_rounds)
+                _python_until_policy(convs, open_, max_rounds, step_timeout_s)
             except Exception as exc:
                 error = exc
         # open conversations now face a policy (unless a Python turn just failed)
@@ -126,7 +146,7 @@ def co_step(
     return convs
 
 
-def _python_until_policy(convs: list[Conversation], open_, bound: int) -> None:
+def _python_until_policy(convs: list[Conversation], open_, bound: int, step_timeout_s: float | None) -> None:
     """Run environment / tool / scripted turns until every open conversation faces a policy.
 
     One vote per policy round, not per turn: Python turns need no collective, so they run
@@ -136,7 +156,7 @@ def _python_until_policy(convs: list[Conversation], open_, bound: int) -> None:
         waiting = [c for c in convs if open_(c) and not isinstance(c.speaker, Policy)]
         if not waiting:
             return
-        asyncio.run(_python_turns(waiting))
+        asyncio.run(_python_turns(waiting, step_timeout_s))
     left = [c.id for c in convs if open_(c)][:5]
     raise RuntimeError(
         f"co_step: conversations {left} took {bound} turns without a policy turn or a stop; "
@@ -203,18 +223,25 @@ def _generate_splitting(engine, requests: list[GenerationRequest]) -> list[Gener
         return _generate_splitting(engine, requests[:half]) + _generate_splitting(engine, requests[half:])
 
 
-async def _python_turns(convs: list[Conversation]) -> None:
+async def _python_turns(convs: list[Conversation], step_timeout_s: float | None) -> None:
     """Environment / tool / scripted turns, concurrently (they may await I/O)."""
+    serial = asyncio.Lock()  # sync responds run one at a time, as they always have
 
     async def one(c: Conversation) -> None:
-        speaker: Participant = c.speaker
-        out = await maybe_await(speaker.respond(c))  # type: ignore[attr-defined]
+        speaker: Environment = c.speaker  # type: ignore[assignment]
+        limit = speaker.timeout_s if speaker.timeout_s is not None else step_timeout_s
+        try:
+            out = await await_limited(speaker.respond, c, limit=limit, serial=serial)
+        except StepTimeout:
+            turn = c.turns_taken + 1
+            c.end(Status.TIMEOUT, f"timeout: {speaker.name} exceeded {limit:g} s at turn {turn}")
+            return
         if out is None:
             msg = None
         elif isinstance(out, Message):
             msg = out
         elif isinstance(out, str):
-            msg = Message(speaker=speaker.name, content=out, role=speaker.role)  # type: ignore[attr-defined]
+            msg = Message(speaker=speaker.name, content=out, role=speaker.role)
         else:
             raise ValueError(
                 f"conversation {c.id}: participant {speaker.name!r} returned "
