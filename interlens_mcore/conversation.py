@@ -95,6 +95,13 @@ class Environment(Participant):
         """The environment's reward for a finished conversation, if it gives one."""
         return None
 
+    def reward_for(self, conv: Conversation, participant: str) -> float | None:
+        """The reward of one trained seat; override in games where seats score differently.
+
+        Default: `reward(conv)` for every seat (single-policy environments).
+        """
+        return self.reward(conv)
+
     def signature(self) -> tuple:
         return ("env", self.name, type(self).__qualname__, self.role)
 
