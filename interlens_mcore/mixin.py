@@ -18,14 +18,18 @@ A trainer that is not ours mixes it in and sets four attributes::
     rollout = trainer.generate_rollouts(rows, step)
     for batch in trainer.training_batches(rollout): ...
 
-Rows are `Task`s (see `envs.guess.GuessNumberTask`); override `build_conversation` for
-another lineup, `scheduler` for the scheduler path, `compute_rewards` for other rewards.
+Rows are `Task`s (see `envs.guess.GuessNumberTask`); a task lays out its own lineup and asks
+the trainer for a policy per seat it wants played (`seat_policy(name)`), so one task class
+serves single-policy games, self-play (every seat the trained policy) and games against fixed
+opponents. Each trainable seat gives its own trajectory from its own view, its own reward and
+its own advantage group (per seat and prompt). Override `build_conversation` for another
+lineup, `scheduler` for the scheduler path, `compute_rewards` for other rewards.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -33,23 +37,31 @@ import torch
 
 from .advantages import group_advantages
 from .batch import LAYOUTS, TrainingBatch, build_batch
-from .conversation import Conversation, Environment, Policy
+from .conversation import Conversation, Environment, Participant, Policy
 from .costep import co_step
 from .engine import SamplingParams
 from .multiturn import EngineRollout, MultiTurnRequest, MultiTurnScheduler, run_multi_turn
 from .sampling import mix_seed
 from .stop import MaxTurns
-from .trajectory import Message, Trajectory
+from .trajectory import Message, Status, Trajectory
+
+TIMEOUT_POLICIES = ("zero", "drop")
+_EVAL_SALT = 0x6576616C  # folded into evaluation seeds, so they never repeat a training step's
 
 
 class Task(Protocol):
-    """One row of a step: an opening transcript, an environment, and a turn cap."""
+    """One row of a step: an opening transcript, a lineup, and a turn cap.
+
+    `lineup(seat)` returns the participants in speaking order; `seat(name)` is the trainer's
+    policy for a seat (trained, or frozen when the trainer says so), so the task decides
+    which seats a policy plays and which an environment or fixed opponent takes.
+    """
 
     max_turns: int
 
     def prompt(self) -> list[Message]: ...
 
-    def environment(self) -> Environment: ...
+    def lineup(self, seat: Callable[[str], Policy]) -> list[Participant]: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,6 +79,8 @@ class RolloutConfig:
     layout: str = "packed"
     pad_to_multiple: int = 1  # e.g. TP x CP for sequence parallelism
     seed: int = 0
+    step_timeout_s: float | None = None  # time limit of one environment / tool / scheduler step
+    on_timeout: str = "zero"  # a timed-out sample scores 0 ("zero") or leaves the batch ("drop")
 
     def __post_init__(self) -> None:
         if self.num_generations < 1:
@@ -75,6 +89,12 @@ class RolloutConfig:
             raise ValueError(f"RolloutConfig.micro_batch_size must be >= 0, got {self.micro_batch_size}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"RolloutConfig.layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.step_timeout_s is not None and not self.step_timeout_s > 0:
+            raise ValueError(f"RolloutConfig.step_timeout_s must be > 0 or None, got {self.step_timeout_s}")
+        if self.on_timeout not in TIMEOUT_POLICIES:
+            raise ValueError(
+                f"RolloutConfig.on_timeout must be one of {TIMEOUT_POLICIES}, got {self.on_timeout!r}"
+            )
         SamplingParams(temperature=self.temperature, max_new_tokens=self.max_new_tokens)  # validates
 
 
@@ -82,14 +102,26 @@ class RolloutConfig:
 class Rollout:
     """One step's rollouts on this rank."""
 
-    trajectories: list[Trajectory]  # [N] with reward set, in (row, generation) order
+    trajectories: list[Trajectory]  # [N] with reward set, in (row, generation, seat) order
     advantages: torch.Tensor  # [N] float32
-    keep: torch.Tensor  # [N] bool, False for dropped zero-variance groups
+    keep: torch.Tensor  # [N] bool, False for dropped zero-variance groups and dropped timeouts
     conversations: list[Conversation] = field(default_factory=list)  # empty on the scheduler path
 
     @property
     def rewards(self) -> torch.Tensor:
         return torch.tensor([t.reward for t in self.trajectories], dtype=torch.float32)  # [N]
+
+    @property
+    def timeouts(self) -> int:
+        """Samples whose conversation a step time limit ended (scored or dropped per config)."""
+        return sum(t.status is Status.TIMEOUT for t in self.trajectories)
+
+    def seat_rewards(self) -> dict[str, list[float]]:
+        """Rewards per trained seat (participant name), in trajectory order."""
+        out: dict[str, list[float]] = {}
+        for t in self.trajectories:
+            out.setdefault(t.participant, []).append(float(t.reward))
+        return out
 
 
 class RolloutMixin:
@@ -102,19 +134,31 @@ class RolloutMixin:
 
     # -- overridable pieces -------------------------------------------------------------------
     def policy(self) -> Policy:
-        """The trained participant; built once (its chat format renders probes on creation)."""
-        if getattr(self, "_policy", None) is None:
+        """The trained participant of single-policy tasks (the seat named "policy")."""
+        return self.seat_policy("policy")
+
+    def seat_policy(self, name: str) -> Policy:
+        """The trained policy playing seat `name`: every seat shares the engine (self-play).
+
+        Built once per seat name (a policy's chat format renders probes on creation). Override
+        to put a frozen or different policy in some seats (a `Policy` with another engine and
+        `trainable=False`), and pass its engine in `extra_engines`.
+        """
+        seats = self.__dict__.setdefault("_seats", {})
+        if name not in seats:
             cfg = self.rollout_config
             sampling = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens)
-            self._policy = Policy(
-                name="policy", engine=self.engine, tokenizer=self.tokenizer, sampling=sampling
-            )
-        return self._policy
+            seats[name] = Policy(name=name, engine=self.engine, tokenizer=self.tokenizer, sampling=sampling)
+        return seats[name]
+
+    def extra_engines(self) -> list[Any]:
+        """Engines besides `self.engine` that lineups use (e.g. a frozen opponent's)."""
+        return []
 
     def build_conversation(self, row: Task, *, id: str, seed: int, group: int) -> Conversation:
-        """The lineup for one sample of `row`: the policy, then the row's environment."""
+        """The lineup for one sample of `row`, as the task lays it out."""
         return Conversation(
-            [self.policy(), row.environment()],
+            row.lineup(self.seat_policy),
             prompt=row.prompt(),
             run_until=MaxTurns(row.max_turns),
             id=id,
@@ -131,8 +175,9 @@ class RolloutMixin:
     ) -> list[float]:
         """One reward per trajectory.
 
-        Lineup path: the sum of the environments' rewards of its conversation. Scheduler path
-        (no conversations): the `reward` the scheduler put in `rollout_infos`.
+        Lineup path: the sum of the environments' rewards for the trajectory's seat
+        (`Environment.reward_for(conv, seat)`). Scheduler path (no conversations): the
+        `reward` the scheduler put in `rollout_infos`.
         """
         if not conversations:
             missing = [i for i, t in enumerate(trajectories) if "reward" not in t.infos]
@@ -146,7 +191,7 @@ class RolloutMixin:
         out = []
         for t in trajectories:
             conv = by_id[t.infos["conversation"]]
-            scores = [p.reward(conv) for p in conv.lineup if isinstance(p, Environment)]
+            scores = [p.reward_for(conv, t.participant) for p in conv.lineup if isinstance(p, Environment)]
             out.append(float(sum(s for s in scores if s is not None)))
         return out
 
@@ -157,19 +202,49 @@ class RolloutMixin:
         if scheduler is not None:
             return self._scheduler_rollouts(scheduler, rows, step)
         convs = self.make_conversations(rows, step)
+        trajectories = self._co_step(convs, mix_seed(self.rollout_config.seed, step))
+        for t, r in zip(trajectories, self.compute_rewards(convs, trajectories), strict=True):
+            t.reward = r
+        return self._with_advantages(trajectories, convs)
+
+    def _co_step(self, convs: list[Conversation], group_seed: int) -> list[Trajectory]:
         co_step(
             convs,
             turns=None,
             max_batch_size=self.rollout_config.max_batch_size,
-            group_seed=mix_seed(self.rollout_config.seed, step),
+            group_seed=group_seed,
             gather_fn=self.groups.gather_fn(),
             rank=self.groups.rollout_rank,
-            engines=[self.engine],
+            engines=[self.engine, *self.extra_engines()],
+            step_timeout_s=self.rollout_config.step_timeout_s,
         )
-        trajectories = [t for c in convs for t in c.trajectories()]
+        return [t for c in convs for t in c.trajectories()]
+
+    def evaluate(self, rows: Sequence[Any], step: int) -> dict[str, list[float]]:
+        """Play `rows` once each without training (collective); this rank's scores per key.
+
+        Keys: `reward/<seat>` for every trained seat and, for games whose referee writes
+        `conv.infos['outcome']` (seat -> 1 win, 1/2 tie, 0 loss), `win_rate/<seat>`. The
+        caller averages over ranks. Seeds differ from every training step's.
+        """
+        convs = [
+            self.build_conversation(
+                row,
+                id=f"eval{step}-r{self.groups.rank}-p{i}",
+                seed=mix_seed(self.rollout_config.seed, step, self.groups.rank, i, _EVAL_SALT),
+                group=i,
+            )
+            for i, row in enumerate(rows)
+        ]
+        trajectories = self._co_step(convs, mix_seed(self.rollout_config.seed, step, _EVAL_SALT))
+        by_id = {c.id: c for c in convs}
+        out: dict[str, list[float]] = {}
         for t, r in zip(trajectories, self.compute_rewards(convs, trajectories), strict=True):
-            t.reward = r
-        return self._with_advantages(trajectories, convs)
+            out.setdefault(f"reward/{t.participant}", []).append(r)
+            outcome = by_id[t.infos["conversation"]].infos.get("outcome")
+            if outcome is not None and t.participant in outcome:
+                out.setdefault(f"win_rate/{t.participant}", []).append(float(outcome[t.participant]))
+        return out
 
     def make_conversations(self, rows: Sequence[Any], step: int) -> list[Conversation]:
         """`num_generations` conversations per row; ids and seeds name the rank, step and row."""
@@ -202,6 +277,7 @@ class RolloutMixin:
             sampling,
             gather_fn=self.groups.gather_fn(),
             rank=self.groups.rollout_rank,
+            step_timeout_s=cfg.step_timeout_s,
         )
         trajectories = [o.to_trajectory(group=o.request.data["group"]) for o in outputs]
         for t, r in zip(trajectories, self.compute_rewards([], trajectories), strict=True):
@@ -209,14 +285,29 @@ class RolloutMixin:
         return self._with_advantages(trajectories, [])
 
     def _with_advantages(self, trajectories: list[Trajectory], convs: list[Conversation]) -> Rollout:
+        """Advantages per (prompt, seat) group; timed-out samples scored 0 or left out."""
         cfg = self.rollout_config
-        adv, keep = group_advantages(
-            [t.reward for t in trajectories],
-            [t.group for t in trajectories],
-            scale_by_std=cfg.scale_by_std,
-            leave_one_out=cfg.leave_one_out,
-            drop_zero_variance=cfg.drop_zero_variance,
-        )
+        timed_out = [t.status is Status.TIMEOUT for t in trajectories]
+        if cfg.on_timeout == "zero":
+            for t, late in zip(trajectories, timed_out, strict=True):
+                t.reward = 0.0 if late else t.reward
+        # a dropped sample must not move its group's baseline: advantages over the others only
+        used = [i for i, late in enumerate(timed_out) if not (late and cfg.on_timeout == "drop")]
+        adv = torch.zeros(len(trajectories))
+        keep = torch.zeros(len(trajectories), dtype=torch.bool)
+        if used:
+            seats = sorted({t.participant for t in trajectories})
+            groups = [
+                trajectories[i].group * len(seats) + seats.index(trajectories[i].participant) for i in used
+            ]
+            a, k = group_advantages(
+                [trajectories[i].reward for i in used],
+                groups,
+                scale_by_std=cfg.scale_by_std,
+                leave_one_out=cfg.leave_one_out,
+                drop_zero_variance=cfg.drop_zero_variance,
+            )
+            adv[used], keep[used] = a, k
         return Rollout(trajectories=trajectories, advantages=adv, keep=keep, conversations=convs)
 
     def training_batches(self, rollout: Rollout) -> list[TrainingBatch]:

@@ -15,6 +15,9 @@ from pathlib import Path
 from typing import Any
 
 DEFAULTS: dict[str, Any] = {
+    "env": "guess",
+    "opponent": "self",
+    "eval_every": 10,
     "backend": "megatron",
     "tp": 1,
     "zero_stage": 3,
@@ -50,6 +53,9 @@ DEFAULTS: dict[str, Any] = {
 # options that may differ between a run and its resumption
 RESUMABLE = {"resume", "export_hf", "save_every", "output_dir"}
 HELP = {
+    "env": "guess (guess-a-number, one policy) or duel (two-seat number duel, self-play)",
+    "opponent": "duel: who plays player_b: self (the trained policy, self-play) or random",
+    "eval_every": "steps between evaluations against a fixed random opponent (duel; 0: never)",
     "backend": "megatron (megatron-core GPTModel) or deepspeed (HF model under ZeRO)",
     "tp": "tensor-parallel size (megatron backend)",
     "zero_stage": "DeepSpeed ZeRO stage 1, 2 or 3",
@@ -138,6 +144,16 @@ def world_size() -> int:
 
 def validate(opts: Options) -> None:
     """Every check that needs no process group, so bad input fails before anything starts."""
+    from interlens_mcore.envs import ENVS, OPPONENTS
+
+    if opts.env not in ENVS:
+        raise UsageError(f"--env must be one of {', '.join(ENVS)}, got {opts.env!r}")
+    if opts.opponent not in OPPONENTS:
+        raise UsageError(f"--opponent must be one of {', '.join(OPPONENTS)}, got {opts.opponent!r}")
+    if opts.opponent != "self" and opts.env != "duel":
+        raise UsageError(f"--opponent {opts.opponent} needs --env duel (--env {opts.env} has one seat)")
+    if opts.eval_every < 0:
+        raise UsageError(f"--eval-every must be >= 0, got {opts.eval_every}")
     if opts.backend not in ("megatron", "deepspeed"):
         raise UsageError(f"--backend must be megatron or deepspeed, got {opts.backend!r}")
     if opts.zero_stage not in (1, 2, 3):

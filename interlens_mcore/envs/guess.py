@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..conversation import Conversation, Environment
+from ..conversation import Conversation, Environment, Participant, Policy
 from ..trajectory import Message
 
 _NUMBER = re.compile(r"-?\d+")
@@ -63,6 +64,10 @@ class GuessNumberTask:
 
     def environment(self) -> GuessNumber:
         return GuessNumber(self)
+
+    def lineup(self, seat: Callable[[str], Policy]) -> list[Participant]:
+        """The policy guesses, the game master answers."""
+        return [seat("policy"), self.environment()]
 
     @property
     def max_turns(self) -> int:

@@ -1,0 +1,188 @@
+"""Multi-seat lineups through RolloutMixin: self-play, fixed and frozen opponents, per-seat groups."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from interlens_mcore.conversation import Conversation, Environment, Policy, Scripted
+from interlens_mcore.engine import HFEngine
+from interlens_mcore.envs import DuelTask, duel_tasks, fixed_opponent_tasks, guess_tasks, make_tasks
+from interlens_mcore.envs.duel import DuelReferee
+from interlens_mcore.mixin import RolloutConfig, RolloutMixin
+from interlens_mcore.parallel import ParallelGroups
+from interlens_mcore.trajectory import Message, Status
+
+
+class Trainer(RolloutMixin):
+    def __init__(self, model, tokenizer, **rollout):
+        self.engine = HFEngine(model, tokenizer)
+        self.tokenizer = tokenizer
+        self.groups = ParallelGroups(rank=0, world_size=1)
+        self.rollout_config = RolloutConfig(**{"max_new_tokens": 4, **rollout})
+
+
+def _judge(a: str, b: str, target: int = 5, form_weight: float = 0.5) -> tuple[Conversation, DuelReferee]:
+    task = DuelTask(target=target, form_weight=form_weight)
+    referee = task.environment()
+    players = [Scripted("player_a", [a], role="assistant"), Scripted("player_b", [b], role="assistant")]
+    conv = Conversation([*players, referee], prompt=task.prompt())
+    conv.start()
+    for speaker in conv.lineup:
+        conv.commit(speaker, Message(speaker=speaker.name, content=speaker.respond(conv), role=speaker.role))
+    return conv, referee
+
+
+def test_duel_referee_outcomes_and_rewards():
+    conv, ref = _judge("4", "7")  # |4 - 5| = 1 beats |7 - 5| = 2
+    assert conv.infos["outcome"] == {"player_a": 1.0, "player_b": 0.0}
+    assert conv.messages[-1].content == "player_a wins" and conv.stop_reason == "judged"
+    # form: "4" is all digits (1.0); reward 0.5 * 1 + 0.5 * 1 = 1.0 for A, 0.5 * 1 + 0 = 0.5 for B
+    assert ref.reward_for(conv, "player_a") == 1.0 and ref.reward_for(conv, "player_b") == 0.5
+    conv, ref = _judge("x6", "4")  # both at distance 1: a tie; A's form is 1/2
+    assert conv.infos["outcome"] == {"player_a": 0.5, "player_b": 0.5}
+    assert ref.reward_for(conv, "player_a") == 0.5 * 0.5 + 0.5 * 0.5
+    conv, ref = _judge("no", "9")  # a number beats no number, however far
+    assert conv.infos["outcome"] == {"player_a": 0.0, "player_b": 1.0}
+    conv, ref = _judge("no", "nope")  # nobody played: nobody scores the outcome
+    assert conv.infos["outcome"] == {"player_a": 0.0, "player_b": 0.0}
+    assert ref.reward_for(conv, "referee") is None  # not a seat
+
+
+def test_task_validation_and_factories():
+    with pytest.raises(ValueError, match="target 12 lies outside"):
+        DuelTask(target=12)
+    with pytest.raises(ValueError, match="random_seats holds \\['player_c'\\]"):
+        DuelTask(target=3, random_seats=("player_c",))
+    with pytest.raises(ValueError, match="single seat"):
+        make_tasks("guess", 2, seed=0, opponent="random")
+    with pytest.raises(ValueError, match="env must be one of"):
+        make_tasks("chess", 2, seed=0)
+    assert make_tasks("duel", 3, seed=4) == duel_tasks(3, seed=4)
+    evals = fixed_opponent_tasks("duel", 2, seed=0)
+    assert [t.random_seats for t in evals] == [("player_b",)] * 2 + [("player_a",)] * 2
+    assert fixed_opponent_tasks("guess", 2, seed=0) == []
+
+
+def test_self_play_seats_views_rewards_and_groups(tiny):
+    trainer = Trainer(*tiny, num_generations=4)
+    rows = duel_tasks(2, seed=1)
+    rollout = trainer.generate_rollouts(rows, step=0)
+    trajs = rollout.trajectories
+    # 2 rows x 4 samples x 2 seats, each seat from its own view
+    assert len(trajs) == 16
+    assert [t.participant for t in trajs[:4]] == ["player_a", "player_b"] * 2
+    by_id = {c.id: c for c in rollout.conversations}
+    for t in trajs:
+        conv = by_id[t.infos["conversation"]]
+        own = next(m for m in conv.messages if m.speaker == t.participant)
+        (span,) = t.turns  # one trained turn per seat per game
+        trained = [i for i, m in enumerate(t.loss_mask) if m]
+        # exactly this seat's sampled ids carry loss mask 1; the other seat's are context
+        assert [t.token_ids[i] for i in trained] == own.token_ids
+        assert t.rollout_logprobs == own.logprobs
+        assert t.reward == conv.lineup[-1].reward_for(conv, t.participant)
+    a_view = next(t for t in trajs if t.participant == "player_a")
+    b_view = next(t for t in trajs if t.participant == "player_b" and t.infos == a_view.infos)
+    # B answered after reading A: A's reply, rendered once as a user message, precedes B's turn
+    a_msg = next(m for m in by_id[a_view.infos["conversation"]].messages if m.speaker == "player_a")
+    rendered = trainer.seat_policy("player_b").chat.message_ids("user", a_msg.content)
+    b_start = b_view.turns[0].start
+    assert any(b_view.token_ids[i : i + len(rendered)] == rendered for i in range(b_start))
+    assert not any(b_view.loss_mask[:b_start])
+    # advantages are centred per (prompt, seat): 4 groups of 4
+    adv = rollout.advantages
+    for row in range(2):
+        for seat in ("player_a", "player_b"):
+            idx = [i for i, t in enumerate(trajs) if t.group == row and t.participant == seat]
+            assert len(idx) == 4 and abs(float(adv[idx].sum())) < 1e-5
+    assert set(rollout.seat_rewards()) == {"player_a", "player_b"}
+    assert sum(b.num_samples for b in trainer.training_batches(rollout)) == sum(
+        t.num_trained_tokens > 0 and bool(k) for t, k in zip(trajs, rollout.keep)
+    )
+
+
+def test_random_opponent_trains_one_seat_and_evaluate(tiny):
+    trainer = Trainer(*tiny, num_generations=2)
+    rollout = trainer.generate_rollouts(make_tasks("duel", 2, seed=0, opponent="random"), step=0)
+    assert [t.participant for t in rollout.trajectories] == ["player_a"] * 4
+    scores = trainer.evaluate(fixed_opponent_tasks("duel", 3, seed=7), step=0)
+    assert sorted(scores) == ["reward/player_a", "reward/player_b", "win_rate/player_a", "win_rate/player_b"]
+    assert all(len(v) == 3 for v in scores.values())
+    assert all(x in (0.0, 0.5, 1.0) for k, v in scores.items() if k.startswith("win") for x in v)
+
+
+def test_frozen_opponent_seat(tiny, tiny_path):
+    from transformers import AutoModelForCausalLM
+
+    frozen = HFEngine(AutoModelForCausalLM.from_pretrained(tiny_path), tiny[1], name="frozen")
+
+    class VsFrozen(Trainer):
+        def seat_policy(self, name):
+            if name != "player_b":
+                return super().seat_policy(name)
+            if not hasattr(self, "_b"):
+                self._b = Policy(name=name, engine=frozen, tokenizer=self.tokenizer, trainable=False)
+            return self._b
+
+        def extra_engines(self):
+            return [frozen]
+
+    trainer = VsFrozen(*tiny, num_generations=2)
+    rollout = trainer.generate_rollouts(duel_tasks(1, seed=2), step=0)
+    assert [t.participant for t in rollout.trajectories] == ["player_a"] * 2
+    b_said = [m for c in rollout.conversations for m in c.messages if m.speaker == "player_b"]
+    assert len(b_said) == 2 and all(m.token_ids for m in b_said)  # sampled by the frozen engine
+
+
+class _Slow(Environment):
+    """Answers at once, except in the conversations named in `slow`, where it never returns in time."""
+
+    name = "slow"
+
+    def __init__(self, slow: bool):
+        self.slow = slow
+
+    async def respond(self, conv):
+        if self.slow:
+            await asyncio.sleep(5)
+        conv.request_stop("answered")
+        return "ok"
+
+    def reward(self, conv):
+        return 1.0
+
+
+class _SlowTask:
+    max_turns = 4
+
+    def __init__(self, slow: bool):
+        self.slow = slow
+
+    def prompt(self):
+        return [Message(speaker="user", content="say something", role="user")]
+
+    def lineup(self, seat):
+        return [seat("policy"), _Slow(self.slow)]
+
+
+@pytest.mark.parametrize("on_timeout", ["zero", "drop"])
+def test_timed_out_samples_scored_or_dropped(tiny, on_timeout):
+    trainer = Trainer(*tiny, num_generations=2, step_timeout_s=0.2, on_timeout=on_timeout)
+    rollout = trainer.generate_rollouts([_SlowTask(False), _SlowTask(True)], step=0)
+    status = [t.status for t in rollout.trajectories]
+    assert status == [Status.STOPPED] * 2 + [Status.TIMEOUT] * 2 and rollout.timeouts == 2
+    if on_timeout == "zero":
+        # the timed-out group scores 0 and still trains (its advantages are 0: no spread)
+        assert rollout.rewards.tolist() == [1.0, 1.0, 0.0, 0.0] and rollout.keep.all()
+    else:
+        assert rollout.keep.tolist() == [True, True, False, False]
+        assert torch.equal(rollout.advantages[2:], torch.zeros(2))
+        assert sum(b.num_samples for b in trainer.training_batches(rollout)) == 2
+
+
+def test_guess_still_one_seat(tiny):
+    rollout = Trainer(*tiny, num_generations=2).generate_rollouts(guess_tasks(1, seed=0), step=0)
+    assert [t.participant for t in rollout.trajectories] == ["policy", "policy"]
