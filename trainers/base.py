@@ -15,6 +15,8 @@ A backend implements `logprobs_of`, `policy_logprobs`, `backward`, `optimizer_st
 from __future__ import annotations
 
 import json
+import math
+import sys
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -75,6 +77,7 @@ class GRPOTrainer(RolloutMixin, ABC):
         self.run_info = run_info or {}
         self.output_dir = Path(config.output_dir)
         self.step = 0
+        self.skipped_steps = 0  # optimizer steps skipped for a non-finite gradient norm, ever
 
     # -- backend ------------------------------------------------------------------------------
     @abstractmethod
@@ -99,7 +102,14 @@ class GRPOTrainer(RolloutMixin, ABC):
 
     @abstractmethod
     def optimizer_step(self) -> float:
-        """Clip, step, zero the gradients; returns the gradient norm."""
+        """Clip, step, zero the gradients; returns the global gradient norm (collective).
+
+        The norm is over the whole model: every TP shard, after the DP average. When it is not
+        finite (NaN or inf) the step is NOT applied: the gradients are zeroed, weights and
+        optimizer state stay untouched, and the norm is returned as is so the caller counts the
+        skip. Every rank must reach the same decision, which holds because every rank returns
+        the same global norm.
+        """
 
     @abstractmethod
     def save_state(self, folder: Path) -> None:
@@ -149,12 +159,13 @@ class GRPOTrainer(RolloutMixin, ABC):
         # global denominators: the loss of every micro-batch on every DP rank sums to the mean
         num_tokens, num_sequences = parallel.all_reduce(counts, group=self.groups.dp).tolist()
         if num_tokens == 0:  # nothing trainable anywhere (e.g. every group dropped)
-            return {"grad_norm": 0.0, "skipped": 1.0}
+            return {"grad_norm": 0.0, "skipped": 1.0, "step_skipped": 0.0}
         old = None
         if self.config.updates_per_rollout > 1:
             with torch.no_grad():
                 old = [self.policy_logprobs(b).detach() if b else None for b in batches]
         refs = [self.reference_logprobs(b) if b else None for b in batches]
+        skipped = 0
         for _ in range(self.config.updates_per_rollout):
             sums = None
             for i, batch in enumerate(batches):
@@ -170,11 +181,23 @@ class GRPOTrainer(RolloutMixin, ABC):
                     lp, mb, num_tokens=num_tokens, num_sequences=num_sequences, **kwargs
                 )
                 # a rank with no rows still joins the gradient all-reduce, contributing zero
-                self.backward(loss if real else loss * 0.0)
+                loss = loss if real else loss * 0.0
+                if not torch.isfinite(loss.detach()):
+                    # A non-finite loss need not give non-finite gradients (a NaN added to the
+                    # loss has gradient 0). Scaled by NaN, every gradient that depends on the
+                    # parameters becomes NaN, even a zero one, and the DP all-reduce spreads it
+                    # to every rank, so the backend's one check of the global norm skips the
+                    # step everywhere together.
+                    loss = loss * float("nan")
+                self.backward(loss)
                 if real:
                     sums = metrics if sums is None else merge_metrics(sums, metrics)
             grad_norm = self.optimizer_step()
-        return {**self._reduce_metrics(sums), "grad_norm": grad_norm}
+            # the backend did not apply this update (see optimizer_step): count it
+            skipped += not math.isfinite(grad_norm)
+        self.skipped_steps += skipped
+        metrics = self._reduce_metrics(sums)
+        return {**metrics, "grad_norm": grad_norm, "step_skipped": float(skipped > 0)}
 
     def loss(self, logprobs: torch.Tensor, batch: TrainingBatch, **kwargs) -> tuple[torch.Tensor, dict]:
         """The GRPO loss of one micro-batch (already divided by the global denominators)."""
@@ -203,7 +226,7 @@ class GRPOTrainer(RolloutMixin, ABC):
         """The metrics.jsonl line: rewards over every DP rank, loss and IS figures, timings."""
         rewards = torch.cat(parallel.all_gather_object(rollout.rewards, group=self.groups.dp))
         turns = [t.infos.get("turns", 0) for t in rollout.trajectories]
-        return {
+        record = {
             "step": self.step,
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
@@ -215,11 +238,15 @@ class GRPOTrainer(RolloutMixin, ABC):
             "is_weight_max": m.get("is/weight/max", 0.0),
             "clip_fraction": m.get("clip/fraction", 0.0),
             "grad_norm": m["grad_norm"],
+            "step_skipped": int(m["step_skipped"]),  # 1: a non-finite gradient norm skipped the update
+            "skipped_steps": self.skipped_steps,  # optimizer updates skipped so far in the run
             "tokens": int(m.get("tokens", 0.0)),
             "turns_mean": sum(turns) / max(1, len(turns)),
             "rollout_s": round(rollout_s, 3),
             "train_s": round(train_s, 3),
         }
+        # JSON has no NaN or inf: a non-finite figure (the loss of a skipped step) is written null
+        return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
 
     # -- checkpoints ------------------------------------------------------------------------------
     @property
@@ -229,23 +256,51 @@ class GRPOTrainer(RolloutMixin, ABC):
     def save_checkpoint(self) -> Path:
         def write(folder: Path) -> None:
             self.save_state(folder)
-            state = {"step": self.step, "rng": checkpoint.rng_state()}
+            state = {"step": self.step, "rng": checkpoint.rng_state(), "skipped_steps": self.skipped_steps}
             torch.save(state, folder / f"trainer-rank{self.groups.rank:05d}.pt")
 
         return checkpoint.save(self.checkpoint_root, self.step, write, meta={"run": self.run_info})
 
     def resume(self) -> int:
-        """Load the newest complete checkpoint, if any; returns the step to continue from."""
-        checkpoint.clean_stale(self.checkpoint_root)
-        parallel.barrier()
-        folder = checkpoint.latest(self.checkpoint_root)
-        if folder is None:
+        """Load the newest intact checkpoint, if any; returns the step to continue from.
+
+        Rank 0 verifies the checkpoints newest first against their manifests and renames a
+        corrupt one to `corrupt-step-NNNNNN` (kept for inspection, never chosen again); every
+        rank then loads the one it chose. ValueError when checkpoints exist but none is intact.
+        """
+        root = self.checkpoint_root
+        choice: tuple[str | None, str | None] = (None, None)  # (folder name, error)
+        if parallel.rank() == 0:
+            checkpoint.clean_stale(root)
+            choice = _choose_checkpoint(root)
+        # everyone loads the same step, or everyone raises
+        name, error = parallel.all_gather_object(choice)[0]
+        if error is not None:
+            raise ValueError(error)
+        if name is None:
             return self.step
+        folder = root / name
         self.load_state(folder)
         state = torch.load(folder / f"trainer-rank{self.groups.rank:05d}.pt", weights_only=False)
         checkpoint.set_rng_state(state["rng"])
         self.step = int(state["step"])
+        self.skipped_steps = int(state["skipped_steps"])
         return self.step
+
+
+def _choose_checkpoint(root: Path) -> tuple[str | None, str | None]:
+    """(newest intact checkpoint's name or None, error or None); says why on stderr (rank 0)."""
+    good, bad = checkpoint.newest_intact(root)
+    then = f"resuming from {good.name}" if good is not None else "no intact checkpoint is left"
+    for name, reason, kept in bad:
+        print(f"checkpoint {name} is corrupt ({reason}), kept as {kept}; {then}", file=sys.stderr)
+    set_aside = checkpoint.corrupt(root)  # this run's and earlier runs' corrupt checkpoints
+    if good is None and set_aside:
+        return None, (
+            f"no intact checkpoint in {root} to resume from ({', '.join(set_aside)} corrupt); "
+            "inspect or remove them, or start without --resume"
+        )
+    return (good.name if good is not None else None), None
 
 
 def _zero_metrics() -> dict[str, torch.Tensor]:

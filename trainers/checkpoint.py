@@ -1,12 +1,19 @@
-"""Atomic checkpoints: every rank writes into a temporary folder, then rank 0 renames it.
+"""Atomic, verifiable checkpoints: every rank writes into a temporary folder, rank 0 renames it.
 
-A folder named `step-NNNNNN` exists only once every rank's files and `meta.json` are in it
-(a rename within one filesystem is atomic), so a run killed at any moment never leaves a
-checkpoint that `latest` would return half-written. Stale temporary folders are removed.
+A folder named `step-NNNNNN` exists only once every rank's files, `manifest.json` and
+`meta.json` are in it (a rename within one filesystem is atomic), so a run killed at any
+moment never leaves a half-written checkpoint under a `step-` name. Stale temporary folders
+are removed.
+
+Atomicity does not protect a checkpoint after it is published (a disk fault, a copy cut short,
+a stray edit). `manifest.json` lists every file with its size and sha256; `verify` checks a
+folder against it, and `newest_intact` renames a folder that fails to `corrupt-step-NNNNNN`,
+kept for inspection but never chosen again.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -19,19 +26,12 @@ import torch
 
 from interlens_mcore import parallel
 
-PREFIX, TMP_PREFIX = "step-", ".tmp-step-"
+PREFIX, TMP_PREFIX, CORRUPT_PREFIX = "step-", ".tmp-step-", "corrupt-step-"
+MANIFEST, META = "manifest.json", "meta.json"
 
 
 def step_dir(root: Path, step: int) -> Path:
     return root / f"{PREFIX}{step:06d}"
-
-
-def latest(root: Path) -> Path | None:
-    """The newest complete checkpoint under `root`, or None."""
-    if not root.is_dir():
-        return None
-    done = sorted(p for p in root.iterdir() if p.name.startswith(PREFIX) and (p / "meta.json").is_file())
-    return done[-1] if done else None
 
 
 def save(root: Path, step: int, write: Callable[[Path], None], *, meta: dict, keep: int = 2) -> Path:
@@ -45,7 +45,8 @@ def save(root: Path, step: int, write: Callable[[Path], None], *, meta: dict, ke
     parallel.barrier()  # every rank's files are on disk before the folder is published
     final = step_dir(root, step)
     if parallel.rank() == 0:
-        (tmp / "meta.json").write_text(json.dumps({"step": step, **meta}))
+        write_manifest(tmp)
+        (tmp / META).write_text(json.dumps({"step": step, **meta}))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         older = sorted(p for p in root.iterdir() if p.name.startswith(PREFIX) and p != final)
@@ -53,6 +54,90 @@ def save(root: Path, step: int, write: Callable[[Path], None], *, meta: dict, ke
             shutil.rmtree(p, ignore_errors=True)
     parallel.barrier()
     return final
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest(folder: Path) -> None:
+    """`manifest.json`: every file under `folder` (nested ones too), its size and sha256."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in (MANIFEST, META))
+    entries = {
+        p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files
+    }
+    (folder / MANIFEST).write_text(json.dumps({"files": entries}, indent=1, sort_keys=True))
+
+
+def verify(folder: Path) -> str | None:
+    """None if `folder` matches its manifest, else a one-line reason naming the file."""
+    manifest, reason = _load_json(folder / MANIFEST)
+    if reason is None:
+        _, reason = _load_json(folder / META)
+    if reason is not None:
+        return reason
+    # the manifest itself may be what went bad: a malformed one is a reason, not a crash
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        return f"{MANIFEST}: no 'files' table"
+    for rel, want in files.items():
+        if not (isinstance(want, dict) and isinstance(want.get("bytes"), int) and "sha256" in want):
+            return f"{MANIFEST}: malformed entry for {rel}"
+        path = folder / rel
+        if not path.is_file():
+            return f"{rel}: missing"
+        size = path.stat().st_size
+        if size < want["bytes"]:
+            return f"{rel}: truncated ({size} of {want['bytes']} bytes)"
+        if size != want["bytes"]:
+            return f"{rel}: size mismatch ({size} bytes, expected {want['bytes']})"
+        if _sha256(path) != want["sha256"]:
+            return f"{rel}: sha256 mismatch"
+    return None
+
+
+def _load_json(path: Path) -> tuple[object, str | None]:
+    if not path.is_file():
+        return None, f"{path.name}: missing"
+    try:
+        return json.loads(path.read_text()), None
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        return None, f"{path.name}: unreadable JSON ({exc})"
+
+
+def newest_intact(root: Path) -> tuple[Path | None, list[tuple[str, str, str]]]:
+    """Rank 0 only: the newest checkpoint that `verify` passes, and (name, reason, new name) of
+    each newer one that failed and was renamed `corrupt-step-NNNNNN`. Older ones are not read."""
+    if not root.is_dir():
+        return None, []
+    bad = []
+    for folder in sorted((p for p in root.iterdir() if p.name.startswith(PREFIX)), reverse=True):
+        reason = verify(folder)
+        if reason is None:
+            return folder, bad
+        kept = _free_name(root, CORRUPT_PREFIX + folder.name[len(PREFIX) :])
+        os.replace(folder, root / kept)
+        bad.append((folder.name, reason, kept))
+    return None, bad
+
+
+def corrupt(root: Path) -> list[str]:
+    """Names of the checkpoints under `root` set aside as corrupt (by this run or an earlier one)."""
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if p.name.startswith(CORRUPT_PREFIX))
+
+
+def _free_name(root: Path, name: str) -> str:
+    # the same step can go bad twice (in two runs); keep both
+    n, out = 1, name
+    while (root / out).exists():
+        out, n = f"{name}.{n}", n + 1
+    return out
 
 
 def clean_stale(root: Path) -> None:

@@ -65,6 +65,7 @@ class DeepSpeedGRPOTrainer(GRPOTrainer):
         self.ds, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=ds_config
         )
+        self._skipped_seen = self.ds.skipped_steps
         # the lockstep flag is a CPU tensor: it rides the gloo vote group over the same ranks
         sync = self.groups.vote if self.zero_stage == 3 else None
         self.engine = HFEngine(self.ds.module, self.tokenizer, sync_group=sync)
@@ -88,6 +89,13 @@ class DeepSpeedGRPOTrainer(GRPOTrainer):
         self.ds.step()
 
     def optimizer_step(self) -> float:
+        # DeepSpeed stepped inside the last backward (the accumulation boundary). Its ZeRO
+        # optimizers (stage 1/2 and 3, in fp32 too) take the global norm over every DP rank and,
+        # when it is not finite, zero the gradients and skip the update, counting it in
+        # `skipped_steps`: all that is left here is to report it with a non-finite norm
+        if self.ds.skipped_steps != self._skipped_seen:
+            self._skipped_seen = self.ds.skipped_steps
+            return float("inf")
         norm = self.ds.get_global_grad_norm()
         return float(norm) if norm is not None else 0.0
 
@@ -98,3 +106,4 @@ class DeepSpeedGRPOTrainer(GRPOTrainer):
         path, _ = self.ds.load_checkpoint(str(folder), tag="deepspeed")
         if path is None:
             raise ValueError(f"checkpoint {folder} holds no DeepSpeed state")
+        self._skipped_seen = self.ds.skipped_steps  # the engine's counter comes back with it

@@ -11,10 +11,12 @@ by torch DDP over the DP group and a torch AdamW steps; on GPU megatron's own ar
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 import torch
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 from interlens_mcore import parallel
 from interlens_mcore.batch import TrainingBatch
@@ -42,6 +44,7 @@ class MegatronGRPOTrainer(GRPOTrainer):
             self.reference = build_model(self.layout, init_weights=False).eval().requires_grad_(False)
             load_hf_weights(self.reference, self.layout, self.model_path)
         self.train_model = self._wrap_ddp(self.model)
+        self.tp_shards = tp_sharded(self.model)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.config.lr, weight_decay=self.config.weight_decay
         )
@@ -95,10 +98,39 @@ class MegatronGRPOTrainer(GRPOTrainer):
         (loss * self.groups.dp_size).backward()
 
     def optimizer_step(self) -> float:
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        norm = float(self.grad_norm())
+        if not math.isfinite(norm):
+            # every rank holds the same norm, so every rank skips: weights never diverge
+            self.optimizer.zero_grad(set_to_none=True)
+            return norm
+        # as torch's clip_grad_norm_: scale only when over the limit, 1e-6 guards a zero norm
+        scale = min(1.0, self.config.grad_clip / (norm + 1e-6))
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return norm
+
+    def grad_norm(self) -> torch.Tensor:
+        """The 2-norm of the whole model's gradient (collective over TP), float64.
+
+        DDP has already averaged the gradients over DP, so DP ranks agree. Under TP a shard's
+        squares are summed over the TP group; a replicated parameter (a norm weight) holds the
+        same gradient on every TP rank, so each rank adds 1/tp of its squares to the same sum.
+        That sum also carries a NaN or inf from any one rank to all of them.
+        """
+        shard, copy = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+        for p in self.model.parameters():
+            if p.grad is None:
+                continue
+            sq = p.grad.detach().double().square().sum()
+            if id(p) in self.tp_shards:
+                shard += sq
+            else:
+                copy += sq
+        total = shard + copy / self.groups.tp_size
+        return parallel.all_reduce(total, "sum", self.groups.tp).sqrt()
 
     def save_state(self, folder: Path) -> None:
         # DP replicas are identical: one file per TP rank, written by DP rank 0
@@ -116,3 +148,21 @@ class MegatronGRPOTrainer(GRPOTrainer):
     def export_hf(self, out_dir: str | Path) -> Path:
         """The trained weights as an HF folder (collective over the world)."""
         return export_hf(self.model, self.layout, self.model_path, out_dir)
+
+
+def tp_sharded(model: torch.nn.Module) -> set[int]:
+    """ids of the parameters that are one TP rank's slice, not a full copy.
+
+    megatron marks slices with `tensor_model_parallel`, but only when it initialises the
+    weights itself: with `build_model(init_weights=False)` the weights of its parallel layers
+    stay unmarked, so the layer type decides for those (a row-parallel bias is a full copy).
+    """
+    out = set()
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            by_layer = isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)) or (
+                isinstance(module, RowParallelLinear) and name == "weight"
+            )
+            if by_layer or getattr(p, "tensor_model_parallel", False):
+                out.add(id(p))
+    return out
