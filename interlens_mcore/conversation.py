@@ -392,7 +392,7 @@ def call_limited(fn: Callable, *args: Any, limit: float | None) -> Any:
 async def await_limited(fn: Callable, *args: Any, limit: float | None, serial: asyncio.Lock) -> Any:
     """fn(*args), sync or async, awaited; raise StepTimeout once `limit` s have passed.
 
-    Without a limit this is today's behaviour: an async fn is awaited, a sync one runs inline.
+    Without a limit an async fn is awaited and a sync one runs inline, as they always have.
     With one, an async fn is awaited under the limit and cancelled when it expires; a sync
     fn runs in a daemon thread, one at a time under `serial` (sync code was never called
     concurrently, and need not be thread-safe), its limit counted from when it starts. The
