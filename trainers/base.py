@@ -266,7 +266,8 @@ class GRPOTrainer(RolloutMixin, ABC):
 
         Rank 0 verifies the checkpoints newest first against their manifests and renames a
         corrupt one to `corrupt-step-NNNNNN` (kept for inspection, never chosen again); every
-        rank then loads the one it chose. ValueError when checkpoints exist but none is intact.
+        rank then loads the one it chose. `checkpoint.NoIntactCheckpoint` (a ValueError) on every
+        rank when checkpoints exist but none is intact.
         """
         root = self.checkpoint_root
         choice: tuple[str | None, str | None] = (None, None)  # (folder name, error)
@@ -276,7 +277,7 @@ class GRPOTrainer(RolloutMixin, ABC):
         # everyone loads the same step, or everyone raises
         name, error = parallel.all_gather_object(choice)[0]
         if error is not None:
-            raise ValueError(error)
+            raise checkpoint.NoIntactCheckpoint(error)
         if name is None:
             return self.step
         folder = root / name
@@ -297,8 +298,8 @@ def _choose_checkpoint(root: Path) -> tuple[str | None, str | None]:
     set_aside = checkpoint.corrupt(root)  # this run's and earlier runs' corrupt checkpoints
     if good is None and set_aside:
         return None, (
-            f"no intact checkpoint in {root} to resume from ({', '.join(set_aside)} corrupt); "
-            "inspect or remove them, or start without --resume"
+            f"no intact checkpoint in {root} to resume from; set aside as corrupt: "
+            f"{', '.join(set_aside)} (inspect or remove them, or start without --resume)"
         )
     return (good.name if good is not None else None), None
 

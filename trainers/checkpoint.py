@@ -30,6 +30,10 @@ PREFIX, TMP_PREFIX, CORRUPT_PREFIX = "step-", ".tmp-step-", "corrupt-step-"
 MANIFEST, META = "manifest.json", "meta.json"
 
 
+class NoIntactCheckpoint(ValueError):
+    """Resuming found checkpoints, all of them corrupt (starting over would be a silent restart)."""
+
+
 def step_dir(root: Path, step: int) -> Path:
     return root / f"{PREFIX}{step:06d}"
 
