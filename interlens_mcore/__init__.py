@@ -10,8 +10,10 @@ from .loss import LossConfig, grpo_loss
 from .mixin import RolloutMixin
 from .multiturn import (
     EngineRollout,
+    MultiTurnError,
     MultiTurnRequest,
     MultiTurnScheduler,
+    MultiTurnValueError,
     ResponseChoice,
     RolloutOutput,
     ToolScheduler,
@@ -20,7 +22,7 @@ from .multiturn import (
 from .parallel import ParallelGroups, build_groups
 from .stop import AnyOf, MaxTurns, Predicate, StopCondition, TokenBudget, stop_when
 from .trajectory import Message, Status, Trajectory, TurnSpan
-from .vote import RolloutError
+from .vote import RolloutError, RolloutValueError
 
 __all__ = [
     "AnyOf",
@@ -35,8 +37,10 @@ __all__ = [
     "LossConfig",
     "MaxTurns",
     "Message",
+    "MultiTurnError",
     "MultiTurnRequest",
     "MultiTurnScheduler",
+    "MultiTurnValueError",
     "ParallelGroups",
     "Participant",
     "Policy",
@@ -45,6 +49,7 @@ __all__ = [
     "RolloutError",
     "RolloutMixin",
     "RolloutOutput",
+    "RolloutValueError",
     "SamplingParams",
     "Scripted",
     "Status",

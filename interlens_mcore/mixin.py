@@ -37,7 +37,7 @@ import torch
 
 from .advantages import group_advantages
 from .batch import LAYOUTS, TrainingBatch, build_batch
-from .conversation import Conversation, Environment, Participant, Policy
+from .conversation import Conversation, Environment, Participant, Policy, check_time_limit
 from .costep import co_step
 from .engine import SamplingParams
 from .multiturn import EngineRollout, MultiTurnRequest, MultiTurnScheduler, run_multi_turn
@@ -89,8 +89,7 @@ class RolloutConfig:
             raise ValueError(f"RolloutConfig.micro_batch_size must be >= 0, got {self.micro_batch_size}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"RolloutConfig.layout must be one of {LAYOUTS}, got {self.layout!r}")
-        if self.step_timeout_s is not None and not self.step_timeout_s > 0:
-            raise ValueError(f"RolloutConfig.step_timeout_s must be > 0 or None, got {self.step_timeout_s}")
+        check_time_limit(self.step_timeout_s, "RolloutConfig.step_timeout_s")
         if self.on_timeout not in TIMEOUT_POLICIES:
             raise ValueError(
                 f"RolloutConfig.on_timeout must be one of {TIMEOUT_POLICIES}, got {self.on_timeout!r}"
@@ -180,6 +179,11 @@ class RolloutMixin:
         `reward` the scheduler put in `rollout_infos`.
         """
         if not conversations:
+            # a request its step time limit ended may never have reached the code that scores it;
+            # it scores 0 (or leaves the batch: `RolloutConfig.on_timeout`)
+            for t in trajectories:
+                if t.status is Status.TIMEOUT:
+                    t.infos.setdefault("reward", 0.0)
             missing = [i for i, t in enumerate(trajectories) if "reward" not in t.infos]
             if missing:
                 raise ValueError(

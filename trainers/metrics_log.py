@@ -54,21 +54,32 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def plot_rewards(records: list[dict], out: Path) -> None:
+    """Reward per step (one line per seat in multi-seat games, with the fixed-opponent win rate)."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on training machines
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in records]
-    mean = [r["reward_mean"] for r in records]
-    std = [r["reward_std"] for r in records]
+    seats = sorted({k.split("/", 1)[1] for r in records for k in r if k.startswith("reward_mean/")})
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(steps, mean, label="reward_mean")
-    ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2)
+    if seats:
+        for seat in seats:
+            ax.plot(steps, [r.get(f"reward_mean/{seat}") for r in records], label=f"reward {seat}")
+        for seat in seats:
+            evals = [(r["step"], r[f"eval/win_rate/{seat}"]) for r in records if f"eval/win_rate/{seat}" in r]
+            if evals:
+                ax.plot(*zip(*evals), "o--", label=f"win rate vs random, {seat}")
+    else:
+        mean = [r["reward_mean"] for r in records]
+        std = [r["reward_std"] for r in records]
+        ax.plot(steps, mean, label="reward_mean")
+        lo, hi = [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)]
+        ax.fill_between(steps, lo, hi, alpha=0.2)
     ax.set_xlabel("step")
-    ax.set_ylabel("reward")
+    ax.set_ylabel("reward" if not seats else "reward / win rate")
     ax.set_ylim(0, 1)
-    ax.legend(loc="lower right")
+    ax.legend(loc="lower right", fontsize=7)
     fig.tight_layout()
     tmp = out.with_name(out.stem + ".tmp.png")
     fig.savefig(tmp, dpi=100)
