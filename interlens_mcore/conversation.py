@@ -9,12 +9,7 @@ the trainer unchanged.
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import itertools
-import math
-import threading
-import time
 import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -23,6 +18,15 @@ from typing import Any
 
 from .chat import ChatFormat
 from .engine import Engine, SamplingParams
+
+# the step time-limit helpers live in limits.py; importable from here too (costep, mixin use them)
+from .limits import (  # noqa: F401
+    StepTimeout,
+    await_limited,
+    call_limited,
+    check_time_limit,
+    maybe_await,
+)
 from .stop import StopCondition, ambient_conditions
 from .trajectory import Message, Status, Trajectory, TurnSpan
 
@@ -328,107 +332,3 @@ class Conversation:
                 )
             )
         return out
-
-
-async def maybe_await(value: Any) -> Any:
-    return await value if inspect.isawaitable(value) else value
-
-
-# -- time limits of environment, tool and scheduler steps -----------------------------------
-class StepTimeout(Exception):
-    """A limited call ran past its limit (raised by the helpers below, caught by the runners)."""
-
-
-def check_time_limit(value: Any, where: str) -> None:
-    """Raise ValueError naming `where` unless `value` is None or a finite number of seconds > 0."""
-    ok = value is None or (
-        isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-    )
-    if not ok:
-        raise ValueError(f"{where} must be a number of seconds > 0 or None, got {value!r}")
-
-
-def _in_daemon_thread(fn: Callable, args: tuple, deliver: Callable[[bool, Any], None]) -> None:
-    """Run fn(*args) in a daemon thread and hand (ok, value or exception) to `deliver`.
-
-    Daemon, and not an executor's worker: a call that never returns must neither block the
-    interpreter's exit nor `asyncio.run`'s shutdown of the default executor.
-    """
-
-    def run() -> None:
-        try:
-            result = (True, fn(*args))
-        except BaseException as exc:  # handed to the caller, which re-raises it
-            result = (False, exc)
-        deliver(*result)
-
-    threading.Thread(target=run, daemon=True, name="interlens-limited-step").start()
-
-
-def call_limited(fn: Callable, *args: Any, limit: float | None) -> Any:
-    """fn(*args) for a synchronous fn; raise StepTimeout if it has not returned after `limit` s.
-
-    With a limit the call runs in a daemon thread. A thread cannot be killed: after a
-    timeout it may still finish later, and what it returns (or raises) is discarded.
-    """
-    if limit is None:
-        return fn(*args)
-    box: list[tuple[bool, Any]] = []
-    done = threading.Event()
-
-    def deliver(ok: bool, value: Any) -> None:
-        box.append((ok, value))
-        done.set()
-
-    _in_daemon_thread(fn, args, deliver)
-    if not done.wait(limit):
-        raise StepTimeout
-    ok, value = box[0]
-    if not ok:
-        raise value
-    return value
-
-
-async def await_limited(fn: Callable, *args: Any, limit: float | None, serial: asyncio.Lock) -> Any:
-    """fn(*args), sync or async, awaited; raise StepTimeout once `limit` s have passed.
-
-    Without a limit an async fn is awaited and a sync one runs inline, as they always have.
-    With one, an async fn is awaited under the limit and cancelled when it expires; a sync
-    fn runs in a daemon thread, one at a time under `serial` (sync code was never called
-    concurrently, and need not be thread-safe), its limit counted from when it starts. The
-    thread cannot be killed: after a timeout it may finish later; its result is discarded.
-    """
-    if limit is None:
-        return await maybe_await(fn(*args))
-    if inspect.iscoroutinefunction(fn):
-        return await _within(fn(*args), limit)
-    loop = asyncio.get_running_loop()
-    async with serial:
-        start, future = time.monotonic(), loop.create_future()
-
-        def deliver(ok: bool, value: Any) -> None:
-            try:
-                loop.call_soon_threadsafe(_settle, future, ok, value)
-            except RuntimeError:  # the loop is closed: the caller gave up on this call long ago
-                pass
-
-        _in_daemon_thread(fn, args, deliver)
-        value = await _within(future, limit)
-    if inspect.isawaitable(value):  # a sync fn that hands back a coroutine: the rest of the limit
-        value = await _within(value, limit - (time.monotonic() - start))
-    return value
-
-
-def _settle(future: asyncio.Future, ok: bool, value: Any) -> None:
-    if not future.done():  # a timed-out call's future was cancelled
-        future.set_result(value) if ok else future.set_exception(value)
-
-
-async def _within(awaitable: Any, limit: float) -> Any:
-    # asyncio.wait rather than wait_for: a TimeoutError raised by the call itself stays an error
-    task = asyncio.ensure_future(awaitable)
-    done, _ = await asyncio.wait({task}, timeout=max(limit, 0.0))
-    if task not in done:
-        task.cancel()
-        raise StepTimeout
-    return task.result()
