@@ -215,3 +215,33 @@ def test_deepspeed_skips_nonfinite_steps(tmp_path, tiny_path, stage):
     pytest.importorskip("deepspeed", reason="DeepSpeed is an optional extra: pip install -e .[deepspeed]")
     results = run_ranks(_deepspeed, 2, str(tiny_path), str(tmp_path / "out"), stage, timeout=180)
     _check(results, replicas=True)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"zero_optimization": {"stage": 0}}, "zero_optimization.stage must be 1, 2 or 3, got 0"),
+        (
+            {"bf16": {"enabled": True, "check_grad_overflow": False}},
+            "bf16.check_grad_overflow must stay true",
+        ),
+    ],
+)
+def test_deepspeed_refuses_configs_that_would_apply_nonfinite_steps(tmp_path, change, message):
+    pytest.importorskip("deepspeed", reason="DeepSpeed is an optional extra: pip install -e .[deepspeed]")
+    from interlens_mcore import parallel
+    from interlens_mcore.loss import LossConfig
+    from interlens_mcore.mixin import RolloutConfig
+    from trainers import DeepSpeedGRPOTrainer, TrainerConfig, deepspeed_config
+
+    ds = deepspeed_config(zero_stage=1, lr=1e-3, weight_decay=0.0, grad_clip=1.0, micro_batches=1)
+    with pytest.raises(ValueError, match=message):
+        DeepSpeedGRPOTrainer(
+            model_path=tmp_path,  # never read: the config is checked first
+            ds_config={**ds, **change},
+            config=TrainerConfig(output_dir=str(tmp_path)),
+            rollout_config=RolloutConfig(layout="padded"),
+            loss_config=LossConfig(),
+            groups=parallel.ParallelGroups(rank=0, world_size=1),
+            tokenizer=None,
+        )

@@ -56,6 +56,15 @@ class DeepSpeedGRPOTrainer(GRPOTrainer):
             raise ValueError("DeepSpeedGRPOTrainer needs RolloutConfig.layout='padded' (HF attention masks)")
         self.model_path = Path(model_path)
         self.zero_stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
+        # a non-finite step is skipped by ZeRO's optimizers (see optimizer_step); without ZeRO,
+        # or in bf16 with the check turned off, DeepSpeed would apply it
+        if self.zero_stage not in (1, 2, 3):
+            raise ValueError(f"ds_config zero_optimization.stage must be 1, 2 or 3, got {self.zero_stage}")
+        if self.zero_stage < 3 and ds_config.get("bf16", {}).get("check_grad_overflow") is False:
+            raise ValueError(
+                "ds_config bf16.check_grad_overflow must stay true at ZeRO stage 1 and 2: "
+                "it is what skips a non-finite step there"
+            )
         self.micro_batches = int(ds_config.get("gradient_accumulation_steps", 1))
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
         self.reference = None

@@ -120,7 +120,9 @@ class MegatronGRPOTrainer(GRPOTrainer):
         same gradient on every TP rank, so each rank adds 1/tp of its squares to the same sum.
         That sum also carries a NaN or inf from any one rank to all of them.
         """
-        shard, copy = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+        device = next(self.model.parameters()).device  # NCCL reduces device tensors only
+        shard = torch.zeros((), dtype=torch.float64, device=device)
+        copy = torch.zeros((), dtype=torch.float64, device=device)
         for p in self.model.parameters():
             if p.grad is None:
                 continue
