@@ -136,6 +136,27 @@ class HFEngine:
         self.stats.forwards += 1
         return out
 
+    def _checked_caps(self, requests: Sequence[GenerationRequest], synced: bool) -> list[int]:
+        """`check_context`; in lockstep every rank learns whether any rank's rows were rejected.
+
+        A rank that raised here while the others entered the first forward's all-reduce would
+        leave them waiting there, so the rejection is agreed on first and every rank raises
+        (the vote then names the real cause). A failure in the middle of decoding would still
+        stall the group until the collective times out: lockstep forwards share one collective.
+        """
+        try:
+            caps, error = check_context(requests, self.max_context), None
+        except ValueError as exc:
+            caps, error = [], exc
+        if synced:
+            flag = torch.tensor([0.0 if error is None else 1.0])
+            parallel.all_reduce(flag, "max", self.sync_group)
+            if error is None and flag.item() > 0:
+                raise ValueError(f"engine {self.name!r}: another rank's rows were rejected (see its error)")
+        if error is not None:
+            raise error
+        return caps
+
     def _anyone(self, active: torch.Tensor, synced: bool) -> bool:
         """Is any row still decoding (on any rank of the sync group, when synced)?"""
         flag = torch.tensor([int(active.any())])
@@ -148,7 +169,7 @@ class HFEngine:
         synced = self.sync_group is not None and parallel.world_size(self.sync_group) > 1
         if not requests and not synced:
             return []
-        caps = check_context(requests, self.max_context)
+        caps = self._checked_caps(requests, synced)
         dummy = not requests
         if dummy:  # join the group's forwards with one dummy row that samples nothing
             requests, caps = [GenerationRequest(prompt_ids=[self.pad_id], max_new_tokens=0)], [0]

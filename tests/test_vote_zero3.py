@@ -62,3 +62,43 @@ def test_zero3_without_the_vote_hangs(tiny_path):
         run_ranks(_zero3_rollout, 2, str(tiny_path), False, timeout=60)
     if isinstance(info.value, RuntimeError):  # gloo may notice the peer left instead of hanging
         assert "rank 1" in str(info.value)
+
+
+def _too_long_on_one_rank(rank, world, tiny_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from interlens_mcore import (
+        Conversation,
+        HFEngine,
+        MaxTurns,
+        Message,
+        Policy,
+        RolloutError,
+        SamplingParams,
+        Scripted,
+        co_step,
+        parallel,
+    )
+
+    tok = AutoTokenizer.from_pretrained(tiny_path)
+    groups = parallel.build_groups(rollout="world", vote_timeout_s=60)
+    engine = HFEngine(
+        AutoModelForCausalLM.from_pretrained(tiny_path), tok, max_context=64, sync_group=groups.rollout
+    )
+    pol = Policy("policy", engine, tok, SamplingParams(max_new_tokens=4))
+    text = "guess" if rank == 0 else "guess the number " * 40  # about 250 tokens on rank 1
+    prompt = [Message(speaker="user", content=text)]
+    conv = Conversation([pol, Scripted("env", ["ok"])], prompt, run_until=MaxTurns(3), id=f"c{rank}")
+    try:
+        co_step([conv], gather_fn=groups.gather_fn(), rank=groups.rollout_rank, engines=[engine])
+    except RolloutError as err:
+        return str(err)
+    return "no error"
+
+
+def test_lockstep_engine_rejection_fails_every_rank_fast(tiny_path):
+    # rank 1's prompt overflows the context: without agreeing on it first, rank 0 would wait in
+    # the first forward's all-reduce until the process group's timeout
+    out = run_ranks(_too_long_on_one_rank, 2, str(tiny_path), timeout=90)
+    for message in out:
+        assert "request 'c1': prompt of" in message and "does not fit" in message
