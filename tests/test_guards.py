@@ -8,8 +8,8 @@ Each run trains 4 steps on 2 real gloo ranks with two faults planted on one rank
     step 3  normal                        weights move; skipped_steps stays 2
 
 `loss + NaN` has a finite gradient, so step 1 is skipped only if the trainer turns a
-non-finite loss into non-finite gradients; step 2 is skipped only if the backend's norm sees
-one rank's inf (one shard's, under TP).
+non-finite loss into non-finite gradients; step 2 is skipped on both ranks only if the
+backend's norm sees one rank's inf (under TP=2: one rank's copy of a replicated norm weight).
 """
 
 from __future__ import annotations
@@ -65,7 +65,6 @@ def _with_faults(base, grad_param: str):
 
 def _run(trainer) -> dict:
     records = trainer.train()
-    resumed_from = trainer.checkpoint_root
     trainer.skipped_steps = 0
     trainer.resume()  # the counter comes back from the trainer state of the last checkpoint
     text = (Path(trainer.config.output_dir) / "metrics.jsonl").read_text() if trainer.groups.rank == 0 else ""
@@ -74,7 +73,7 @@ def _run(trainer) -> dict:
         "moved": trainer.moved,
         "digests": trainer.digests,
         "restored": trainer.skipped_steps,
-        "checkpoints": sorted(p.name for p in resumed_from.iterdir()),
+        "checkpoints": sorted(p.name for p in trainer.checkpoint_root.iterdir()),
         "jsonl": text,
     }
 

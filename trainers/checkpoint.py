@@ -114,8 +114,11 @@ def _load_json(path: Path) -> tuple[object, str | None]:
 
 
 def newest_intact(root: Path) -> tuple[Path | None, list[tuple[str, str, str]]]:
-    """Rank 0 only: the newest checkpoint that `verify` passes, and (name, reason, new name) of
-    each newer one that failed and was renamed `corrupt-step-NNNNNN`. Older ones are not read."""
+    """The newest checkpoint that `verify` passes, and the newer ones that failed.
+
+    Each failed one is renamed `corrupt-step-NNNNNN` and listed as (old name, reason, new
+    name); checkpoints older than the one returned are not read. Rank 0 only (it renames).
+    """
     if not root.is_dir():
         return None, []
     bad = []
