@@ -228,13 +228,20 @@ async def _python_turns(convs: list[Conversation], step_timeout_s: float | None)
     serial = asyncio.Lock()  # sync responds run one at a time, as they always have
 
     async def one(c: Conversation) -> None:
+        try:
+            await turn(c)
+        except Exception as exc:  # the conversation that failed says so, as run_multi_turn's do
+            c.end(Status.FAILED, f"{type(exc).__name__}: {exc}")
+            raise
+
+    async def turn(c: Conversation) -> None:
         speaker: Environment = c.speaker  # type: ignore[assignment]
         limit = speaker.timeout_s if speaker.timeout_s is not None else step_timeout_s
         try:
             out = await await_limited(speaker.respond, c, limit=limit, serial=serial)
         except StepTimeout:
-            turn = c.turns_taken + 1
-            c.end(Status.TIMEOUT, f"timeout: {speaker.name} exceeded {limit:g} s at turn {turn}")
+            at = c.turns_taken + 1
+            c.end(Status.TIMEOUT, f"timeout: {speaker.name} exceeded {limit:g} s at turn {at}")
             return
         if out is None:
             msg = None

@@ -276,8 +276,12 @@ def test_bad_inputs_name_the_conversation(engine, tiny):
 
     pol = Policy("agent", Endless(), tok, SamplingParams(max_new_tokens=1))
     c = Conversation([pol, Weird()], run_until=MaxTurns(3), id="w")
+    fine = Conversation([pol, Scripted("env", ["ok"] * 3)], run_until=MaxTurns(3), id="fine")
     with pytest.raises(ValueError, match="conversation w: participant 'weird' returned int"):
-        co_step([c], turns=None)
+        co_step([c, fine], turns=None)
+    # the conversation whose turn failed says so; its neighbour was merely cut short
+    assert c.status is Status.FAILED and "returned int" in c.stop_reason
+    assert fine.status is Status.RUNNING and fine.turns_taken == 2
     with pytest.raises(ValueError, match="max_batch_size"):
         co_step([c], turns=1, max_batch_size=0)
     with pytest.raises(ValueError, match="names must be unique"):
