@@ -25,6 +25,10 @@ def configs(opts: Options) -> tuple[TrainerConfig, RolloutConfig, LossConfig]:
             save_every=opts.save_every,
             seed=opts.seed,
             output_dir=opts.output_dir,
+            env=opts.env,
+            opponent=opts.opponent,
+            max_guesses=opts.max_guesses,
+            eval_every=opts.eval_every,
         )
         rollout = RolloutConfig(
             num_generations=opts.num_generations,

@@ -54,7 +54,7 @@ DEFAULTS: dict[str, Any] = {
 RESUMABLE = {"resume", "export_hf", "save_every", "output_dir"}
 HELP = {
     "env": "guess (guess-a-number, one policy) or duel (two-seat number duel, self-play)",
-    "opponent": "duel: who plays player_b: self (the trained policy, self-play) or random",
+    "opponent": "duel: who plays player_b: self (the trained policy), random, or frozen (initial weights)",
     "eval_every": "steps between evaluations against a fixed random opponent (duel; 0: never)",
     "backend": "megatron (megatron-core GPTModel) or deepspeed (HF model under ZeRO)",
     "tp": "tensor-parallel size (megatron backend)",
@@ -148,8 +148,8 @@ def validate(opts: Options) -> None:
 
     if opts.env not in ENVS:
         raise UsageError(f"--env must be one of {', '.join(ENVS)}, got {opts.env!r}")
-    if opts.opponent not in OPPONENTS:
-        raise UsageError(f"--opponent must be one of {', '.join(OPPONENTS)}, got {opts.opponent!r}")
+    if opts.opponent not in (*OPPONENTS, "frozen"):
+        raise UsageError(f"--opponent must be one of {', '.join(OPPONENTS)}, frozen, got {opts.opponent!r}")
     if opts.opponent != "self" and opts.env != "duel":
         raise UsageError(f"--opponent {opts.opponent} needs --env duel (--env {opts.env} has one seat)")
     if opts.eval_every < 0:

@@ -33,6 +33,7 @@ from options import (  # noqa: E402
 
 from interlens_mcore import parallel  # noqa: E402
 from trainers.base import write_json_atomic  # noqa: E402
+from trainers.checkpoint import NoIntactCheckpoint  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,7 +55,12 @@ def main(argv: list[str] | None = None) -> int:
         if parallel.rank() == 0:
             write_json_atomic(Path(opts.output_dir) / "run.json", run)
         trainer = build_trainer(opts, run)
-        start = trainer.resume() if opts.resume else 0
+        try:
+            start = trainer.resume() if opts.resume else 0
+        except NoIntactCheckpoint as exc:  # every rank raises it together
+            if parallel.rank() == 0:
+                print(f"train_grpo.py: error: {exc}", file=sys.stderr)
+            return 2
         if parallel.rank() == 0 and start:
             print(f"resuming at step {start} of {opts.steps}", file=sys.stderr)
         trainer.train()

@@ -27,7 +27,9 @@ import torch
 
 from interlens_mcore import parallel
 from interlens_mcore.batch import TrainingBatch, build_batch
-from interlens_mcore.envs import guess_tasks
+from interlens_mcore.conversation import Policy
+from interlens_mcore.engine import Engine, SamplingParams
+from interlens_mcore.envs import ENVS, OPPONENTS, fixed_opponent_tasks, make_tasks
 from interlens_mcore.loss import LossConfig, batch_loss, finalize_metrics, merge_metrics
 from interlens_mcore.mixin import Rollout, RolloutConfig, RolloutMixin
 from interlens_mcore.sampling import mix_seed
@@ -50,13 +52,35 @@ class TrainerConfig:
     save_every: int = 10  # steps between checkpoints (the last step is always saved)
     seed: int = 0
     output_dir: str = "runs/grpo"
+    env: str = "guess"  # rows of `rows_for_step`: an environment of interlens_mcore.envs
+    opponent: str = "self"  # multi-seat games: player_b is the trained policy, random or frozen
+    max_guesses: int = 3  # guess: guesses per game
+    eval_every: int = 0  # steps between games against a fixed random opponent (0: never)
+    eval_games: int = 16  # per rank and seat
 
     def __post_init__(self) -> None:
-        for name in ("steps", "prompts_per_rank", "updates_per_rollout", "save_every"):
+        for name in (
+            "steps",
+            "prompts_per_rank",
+            "updates_per_rollout",
+            "save_every",
+            "max_guesses",
+            "eval_games",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainerConfig.{name} must be >= 1, got {getattr(self, name)}")
         if not self.lr > 0:
             raise ValueError(f"TrainerConfig.lr must be > 0, got {self.lr}")
+        if self.env not in ENVS:
+            raise ValueError(f"TrainerConfig.env must be one of {ENVS}, got {self.env!r}")
+        if self.opponent not in (*OPPONENTS, "frozen"):
+            raise ValueError(
+                f"TrainerConfig.opponent must be one of {(*OPPONENTS, 'frozen')}, got {self.opponent!r}"
+            )
+        if self.opponent != "self" and self.env != "duel":
+            raise ValueError(f"TrainerConfig.opponent {self.opponent!r} needs a multi-seat env ('duel')")
+        if self.eval_every < 0:
+            raise ValueError(f"TrainerConfig.eval_every must be >= 0, got {self.eval_every}")
 
 
 class GRPOTrainer(RolloutMixin, ABC):
@@ -121,8 +145,39 @@ class GRPOTrainer(RolloutMixin, ABC):
     # -- data -----------------------------------------------------------------------------------
     def rows_for_step(self, step: int) -> list[Any]:
         """This rank's rows: a pure function of (seed, step, rank), so resuming replays them."""
-        seed = mix_seed(self.config.seed, step, self.groups.rank)
-        return guess_tasks(self.config.prompts_per_rank, seed=seed)
+        cfg = self.config
+        seed = mix_seed(cfg.seed, step, self.groups.rank)
+        # a frozen opponent is a policy seat: the task keeps it, `seat_policy` freezes it
+        opponent = "self" if cfg.opponent == "frozen" else cfg.opponent
+        return make_tasks(
+            cfg.env, cfg.prompts_per_rank, seed=seed, opponent=opponent, max_guesses=cfg.max_guesses
+        )
+
+    # -- seats ----------------------------------------------------------------------------------
+    FROZEN_SEAT = "player_b"  # the seat `opponent="frozen"` gives to the initial weights
+
+    def seat_policy(self, name: str) -> Policy:
+        if self.config.opponent != "frozen" or name != self.FROZEN_SEAT:
+            return super().seat_policy(name)
+        if getattr(self, "_frozen_policy", None) is None:
+            cfg = self.rollout_config
+            self._frozen_policy = Policy(
+                name=name,
+                engine=self.frozen_engine(),
+                tokenizer=self.tokenizer,
+                sampling=SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens),
+                trainable=False,
+            )
+        return self._frozen_policy
+
+    def extra_engines(self) -> list[Any]:
+        return [self.frozen_engine()] if self.config.opponent == "frozen" else []
+
+    def frozen_engine(self) -> Engine:
+        """An engine over the initial weights, never trained (a frozen opponent's)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} has no frozen engine; use opponent 'self' or 'random'"
+        )
 
     # -- the loop -------------------------------------------------------------------------------
     def train(self) -> list[dict]:
@@ -139,6 +194,7 @@ class GRPOTrainer(RolloutMixin, ABC):
                 train_metrics = self.train_on(rollout)
                 t2 = time.perf_counter()
                 record = self.step_record(rollout, train_metrics, rollout_s=t1 - t0, train_s=t2 - t1)
+                record.update(self.evaluation(self.step))
                 log.log(record)
                 records.append(record)
                 self.step += 1
@@ -147,6 +203,24 @@ class GRPOTrainer(RolloutMixin, ABC):
         finally:
             log.close()
         return records
+
+    def evaluation(self, step: int) -> dict[str, float]:
+        """Games against a fixed random opponent every `eval_every` steps (and at the last step).
+
+        Collective over the world; `eval/win_rate/<seat>` counts a tie as half a win. Empty for
+        single-seat environments and between evaluations.
+        """
+        cfg = self.config
+        due = cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps - 1)
+        seed = mix_seed(cfg.seed, step, self.groups.rank, 0x65)
+        rows = fixed_opponent_tasks(cfg.env, cfg.eval_games, seed=seed) if due else []
+        if not rows:
+            return {}
+        scores: dict[str, list[float]] = {}
+        for part in parallel.all_gather_object(self.evaluate(rows, step)):
+            for key, values in part.items():
+                scores.setdefault(key, []).extend(values)
+        return {f"eval/{k}": sum(v) / len(v) for k, v in sorted(scores.items())}
 
     def train_on(self, rollout: Rollout) -> dict[str, float]:
         """`updates_per_rollout` optimizer steps on this rollout; returns the finalized metrics."""
@@ -245,6 +319,17 @@ class GRPOTrainer(RolloutMixin, ABC):
             "rollout_s": round(rollout_s, 3),
             "train_s": round(train_s, 3),
         }
+        seats: dict[str, list[float]] = {}
+        timeouts = 0
+        for part_seats, part_timeouts in parallel.all_gather_object(
+            (rollout.seat_rewards(), rollout.timeouts), group=self.groups.dp
+        ):
+            timeouts += part_timeouts
+            for seat, values in part_seats.items():
+                seats.setdefault(seat, []).extend(values)
+        record["timeouts"] = timeouts  # samples a step time limit ended (RolloutConfig.on_timeout)
+        if len(seats) > 1:  # several trained seats: each seat's own mean
+            record.update({f"reward_mean/{k}": sum(v) / len(v) for k, v in sorted(seats.items())})
         # JSON has no NaN or inf: a non-finite figure (the loss of a skipped step) is written null
         return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
 

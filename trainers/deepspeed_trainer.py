@@ -79,6 +79,21 @@ class DeepSpeedGRPOTrainer(GRPOTrainer):
         sync = self.groups.vote if self.zero_stage == 3 else None
         self.engine = HFEngine(self.ds.module, self.tokenizer, sync_group=sync)
 
+    def frozen_engine(self) -> HFEngine:
+        """The initial weights (the KL reference when there is one), generating as "frozen".
+
+        A whole model on every rank, outside ZeRO: its forwards are not collective.
+        """
+        if getattr(self, "_frozen_engine", None) is None:
+            model = self.reference
+            if model is None:
+                from transformers import AutoModelForCausalLM
+
+                model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+                model.eval().requires_grad_(False)
+            self._frozen_engine = HFEngine(model, self.tokenizer, name="frozen")
+        return self._frozen_engine
+
     def logprobs_of(self, model: torch.nn.Module, batch: TrainingBatch) -> torch.Tensor:
         attention = (batch.sample_ids >= 0).long()  # [N, T] right padding
         logits = model(

@@ -52,6 +52,18 @@ class MegatronGRPOTrainer(GRPOTrainer):
             self.model, self.layout, group=self.groups.rollout, tp_group=self.groups.tp
         )
 
+    def frozen_engine(self) -> MegatronEngine:
+        """The initial weights (the KL reference when there is one), generating as "frozen"."""
+        if getattr(self, "_frozen_engine", None) is None:
+            model = self.reference
+            if model is None:
+                model = build_model(self.layout, init_weights=False).eval().requires_grad_(False)
+                load_hf_weights(model, self.layout, self.model_path)
+            self._frozen_engine = MegatronEngine(
+                model, self.layout, group=self.groups.rollout, tp_group=self.groups.tp, name="frozen"
+            )
+        return self._frozen_engine
+
     def _wrap_ddp(self, model: torch.nn.Module) -> torch.nn.Module:
         if self.groups.dp_size == 1:
             return model

@@ -33,11 +33,9 @@ class MetricsLog:
             return
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        self.bar.set_postfix(
-            reward=f"{record['reward_mean']:.3f}",
-            kl=f"{record['kl']:.4f}",
-            is_w=f"{record['is_weight_mean']:.3f}",
-        )
+        shown = {"reward": ("reward_mean", 3), "kl": ("kl", 4), "is_w": ("is_weight_mean", 3)}
+        shown.update({f"win_{k[-1]}": (k, 2) for k in record if k.startswith("eval/win_rate/")})
+        self.bar.set_postfix({name: _fmt(record.get(key), digits) for name, (key, digits) in shown.items()})
         self.bar.update(1)
 
     def close(self) -> None:
@@ -45,6 +43,10 @@ class MetricsLog:
             return
         self.bar.close()
         plot_rewards(read_metrics(self.path), self.path.parent / PLOT_FILE)
+
+
+def _fmt(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"  # None: a non-finite figure
 
 
 def read_metrics(path: Path) -> list[dict]:
