@@ -39,6 +39,8 @@ def configs(opts: Options) -> tuple[TrainerConfig, RolloutConfig, LossConfig]:
             drop_zero_variance=opts.drop_zero_variance,
             layout="packed" if opts.backend == "megatron" else "padded",
             seed=opts.seed,
+            step_timeout_s=opts.step_timeout_s,
+            on_timeout=opts.on_timeout,
         )
         loss = LossConfig(
             epsilon=opts.epsilon,

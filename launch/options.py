@@ -49,6 +49,8 @@ DEFAULTS: dict[str, Any] = {
     "scale_by_std": True,
     "drop_zero_variance": False,
     "max_guesses": 3,
+    "step_timeout_s": None,  # None: environment steps have no time limit
+    "on_timeout": "zero",
 }
 # options that may differ between a run and its resumption
 RESUMABLE = {"resume", "export_hf", "save_every", "output_dir"}
@@ -56,6 +58,8 @@ HELP = {
     "env": "guess (guess-a-number, one policy) or duel (two-seat number duel, self-play)",
     "opponent": "duel: who plays player_b: self (the trained policy), random, or frozen (initial weights)",
     "eval_every": "steps between evaluations against a fixed random opponent (duel; 0: never)",
+    "step_timeout_s": "time limit of one environment step in seconds; a sample past it ends TIMEOUT",
+    "on_timeout": "a timed-out sample scores 0 (zero) or leaves the batch (drop)",
     "backend": "megatron (megatron-core GPTModel) or deepspeed (HF model under ZeRO)",
     "tp": "tensor-parallel size (megatron backend)",
     "zero_stage": "DeepSpeed ZeRO stage 1, 2 or 3",
@@ -91,7 +95,7 @@ def _parser(description: str) -> argparse.ArgumentParser:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=HELP.get(key))
         else:
             kind = type(default) if default is not None else str
-            kind = float if key in ("epsilon_high", "dual_clip") else kind
+            kind = float if key in ("epsilon_high", "dual_clip", "step_timeout_s") else kind
             p.add_argument(flag, type=kind, default=None, help=HELP.get(key))
     return p
 

@@ -86,3 +86,17 @@ def test_output_dir_with_foreign_files(tmp_path):
     (out / "keep").write_text("mine")
     _refused(python("--output-dir", str(out)), out, "not a run of this script")
     assert sorted(p.name for p in out.iterdir()) == ["keep"]
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--step-timeout-s", "0"], "step_timeout_s must be a number of seconds > 0"),
+        (["--on-timeout", "later"], "on_timeout must be one of ('zero', 'drop')"),
+        (["--env", "chess"], "--env must be one of guess, duel"),
+        (["--env", "duel", "--opponent", "mirror"], "--opponent must be one of self, random, frozen"),
+    ],
+)
+def test_rollout_and_env_options(tmp_path, args, needle):
+    out = tmp_path / "out"
+    _refused(python(*args, "--output-dir", str(out)), out, needle)
