@@ -29,8 +29,10 @@ lineup, `scheduler` for the scheduler path, `compute_rewards` for other rewards.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Protocol
 
 import torch
@@ -137,18 +139,29 @@ class RolloutMixin:
         return self.seat_policy("policy")
 
     def seat_policy(self, name: str) -> Policy:
-        """The trained policy playing seat `name`: every seat shares the engine (self-play).
+        """Who plays seat `name` in training lineups: by default the trained policy (self-play).
 
-        Built once per seat name (a policy's chat format renders probes on creation). Override
-        to put a frozen or different policy in some seats (a `Policy` with another engine and
-        `trainable=False`), and pass its engine in `extra_engines`.
+        Override to put a frozen or different policy in some seats (a `Policy` with another
+        engine and `trainable=False`), and pass its engine in `extra_engines`.
         """
-        seats = self.__dict__.setdefault("_seats", {})
-        if name not in seats:
+        return self.trained_policy(name)
+
+    def trained_policy(self, name: str) -> Policy:
+        """The trained policy in seat `name`; every seat shares the engine.
+
+        Built once per seat name (a policy's chat format renders probes on creation).
+        """
+        if name not in self._trained_seats:
             cfg = self.rollout_config
             sampling = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens)
-            seats[name] = Policy(name=name, engine=self.engine, tokenizer=self.tokenizer, sampling=sampling)
-        return seats[name]
+            self._trained_seats[name] = Policy(
+                name=name, engine=self.engine, tokenizer=self.tokenizer, sampling=sampling
+            )
+        return self._trained_seats[name]
+
+    @cached_property
+    def _trained_seats(self) -> dict[str, Policy]:
+        return {}
 
     def extra_engines(self) -> list[Any]:
         """Engines besides `self.engine` that lineups use (e.g. a frozen opponent's)."""
@@ -181,16 +194,14 @@ class RolloutMixin:
         if not conversations:
             # a request its step time limit ended may never have reached the code that scores it;
             # it scores 0 (or leaves the batch: `RolloutConfig.on_timeout`)
-            for t in trajectories:
-                if t.status is Status.TIMEOUT:
-                    t.infos.setdefault("reward", 0.0)
-            missing = [i for i, t in enumerate(trajectories) if "reward" not in t.infos]
+            late = {i for i, t in enumerate(trajectories) if t.status is Status.TIMEOUT}
+            missing = [i for i, t in enumerate(trajectories) if "reward" not in t.infos and i not in late]
             if missing:
                 raise ValueError(
                     f"trajectory {missing[0]} has no rollout_infos['reward']: set it from the "
                     "scheduler's on_turn_end / step, or override compute_rewards"
                 )
-            return [float(t.infos["reward"]) for t in trajectories]
+            return [float(t.infos.get("reward", 0.0)) for t in trajectories]
         by_id = {c.id: c for c in conversations}
         out = []
         for t in trajectories:
@@ -231,9 +242,13 @@ class RolloutMixin:
         `conv.infos['outcome']` (seat -> 1 win, 1/2 tie, 0 loss), `win_rate/<seat>`. The
         caller averages over ranks. Seeds differ from every training step's.
         """
+        # the trained policy takes every seat the task gives a policy, also one a frozen
+        # opponent holds in training: evaluation measures what training changes
         convs = [
-            self.build_conversation(
-                row,
+            Conversation(
+                row.lineup(self.trained_policy),
+                prompt=row.prompt(),
+                run_until=MaxTurns(row.max_turns),
                 id=f"eval{step}-r{self.groups.rank}-p{i}",
                 seed=mix_seed(self.rollout_config.seed, step, self.groups.rank, i, _EVAL_SALT),
                 group=i,
@@ -296,14 +311,16 @@ class RolloutMixin:
             for t, late in zip(trajectories, timed_out, strict=True):
                 t.reward = 0.0 if late else t.reward
         # a dropped sample must not move its group's baseline: advantages over the others only
+        seats = sorted({t.participant for t in trajectories})
+        key = [t.group * len(seats) + seats.index(t.participant) for t in trajectories]  # (prompt, seat)
         used = [i for i, late in enumerate(timed_out) if not (late and cfg.on_timeout == "drop")]
+        if cfg.leave_one_out:  # a sample its group's drops left alone has no baseline: it leaves too
+            full, left = Counter(key), Counter(key[i] for i in used)
+            used = [i for i in used if left[key[i]] > 1 or full[key[i]] == 1]
         adv = torch.zeros(len(trajectories))
         keep = torch.zeros(len(trajectories), dtype=torch.bool)
         if used:
-            seats = sorted({t.participant for t in trajectories})
-            groups = [
-                trajectories[i].group * len(seats) + seats.index(trajectories[i].participant) for i in used
-            ]
+            groups = [key[i] for i in used]
             a, k = group_advantages(
                 [trajectories[i].reward for i in used],
                 groups,

@@ -7,6 +7,7 @@ import math
 from options import Options, UsageError, model_folder
 
 from interlens_mcore import parallel
+from interlens_mcore.envs import trained_seats
 from interlens_mcore.loss import LossConfig
 from interlens_mcore.mixin import RolloutConfig
 from trainers import GRPOTrainer, TrainerConfig
@@ -93,7 +94,8 @@ def build_trainer(opts: Options, run_info: dict) -> GRPOTrainer:
 
     rollout = "data_parallel" if opts.zero_stage == 3 else "model_parallel"
     groups = parallel.build_groups(rollout=rollout)
-    per_rank = opts.batch_size
+    # trajectories per rank: one per trained seat of each conversation
+    per_rank = opts.batch_size * trained_seats(opts.env, opts.opponent)
     micro = math.ceil(per_rank / opts.micro_batch_size) if opts.micro_batch_size else 1
     ds = deepspeed_config(
         zero_stage=opts.zero_stage,

@@ -135,6 +135,10 @@ def test_frozen_opponent_seat(tiny, tiny_path):
     assert [t.participant for t in rollout.trajectories] == ["player_a"] * 2
     b_said = [m for c in rollout.conversations for m in c.messages if m.speaker == "player_b"]
     assert len(b_said) == 2 and all(m.token_ids for m in b_said)  # sampled by the frozen engine
+    # evaluation measures the trained policy in every seat, the frozen one's included
+    scores = trainer.evaluate(fixed_opponent_tasks("duel", 2, seed=1), step=0)
+    wins = sorted(k for k in scores if k.startswith("win_rate/"))
+    assert wins == ["win_rate/player_a", "win_rate/player_b"]
 
 
 class _Slow(Environment):
@@ -168,6 +172,17 @@ class _SlowTask:
         return [seat("policy"), _Slow(self.slow)]
 
 
+class _MixedTask(_SlowTask):
+    """Sample k of the row is slow when `slow[k]` (the environment counts the samples it served)."""
+
+    def __init__(self, slow: list[bool]):
+        self.slow, self.served = slow, 0
+
+    def lineup(self, seat):
+        self.served += 1
+        return [seat("policy"), _Slow(self.slow[self.served - 1])]
+
+
 @pytest.mark.parametrize("on_timeout", ["zero", "drop"])
 def test_timed_out_samples_scored_or_dropped(tiny, on_timeout):
     trainer = Trainer(*tiny, num_generations=2, step_timeout_s=0.2, on_timeout=on_timeout)
@@ -181,6 +196,22 @@ def test_timed_out_samples_scored_or_dropped(tiny, on_timeout):
         assert rollout.keep.tolist() == [True, True, False, False]
         assert torch.equal(rollout.advantages[2:], torch.zeros(2))
         assert sum(b.num_samples for b in trainer.training_batches(rollout)) == 2
+
+
+def test_drop_with_leave_one_out_leaves_lone_survivors_out(tiny):
+    cfg = dict(step_timeout_s=0.2, on_timeout="drop", leave_one_out=True)
+    # both samples of the slow task time out and leave; the fast task's pair trains
+    rollout = Trainer(*tiny, num_generations=2, **cfg).generate_rollouts(
+        [_SlowTask(False), _SlowTask(True)], 0
+    )
+    assert rollout.keep.tolist() == [True, True, False, False]
+    # three samples in one group, two time out: the lone survivor has no
+    # leave-one-out baseline, so it leaves too instead of failing this rank alone
+    rows = [_MixedTask([False, True, True])]
+    rollout = Trainer(*tiny, num_generations=3, **cfg).generate_rollouts(rows, 0)
+    assert [t.status for t in rollout.trajectories] == [Status.STOPPED, Status.TIMEOUT, Status.TIMEOUT]
+    assert rollout.keep.tolist() == [False, False, False]
+    assert torch.equal(rollout.advantages, torch.zeros(3))
 
 
 def test_guess_still_one_seat(tiny):

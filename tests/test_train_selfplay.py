@@ -26,13 +26,28 @@ def test_self_play_logs_each_seat_and_win_rates(tmp_path):
 
 def test_frozen_opponent_trains_one_seat(tmp_path):
     out = tmp_path / "frozen"
-    args = ["--env", "duel", "--opponent", "frozen", "--steps", "2", "--eval-every", "0", "--beta", "0.0"]
+    args = ["--env", "duel", "--opponent", "frozen", "--steps", "2", "--eval-every", "1", "--beta", "0.0"]
     res = torchrun("--output-dir", str(out), *args, *SMALL)
     assert res.returncode == 0, res.stderr[-3000:]
     records = metrics(out)
     assert [r["step"] for r in records] == [0, 1]
-    # one trained seat: no per-seat split, and no evaluation was asked for
-    assert not any(k.startswith(("reward_mean/", "eval/")) for r in records for k in r)
+    # one trained seat: no per-seat split of the training reward ...
+    assert not any(k.startswith("reward_mean/") for r in records for k in r)
+    # ... but evaluation puts the trained policy in each seat against a random player
+    assert all("eval/win_rate/player_a" in r and "eval/win_rate/player_b" in r for r in records)
+
+
+def test_deepspeed_zero3_self_play_with_micro_batches(tmp_path):
+    # two trained seats: 8 conversations -> 16 trajectories -> 4 micro-batches of 4, which must
+    # match DeepSpeed's accumulation steps; evaluation generates collectively under ZeRO-3
+    out = tmp_path / "ds"
+    args = ["--backend", "deepspeed", "--env", "duel", "--steps", "2", "--eval-every", "1"]
+    res = torchrun("--output-dir", str(out), *args, *SMALL, "--micro-batch-size", "4")
+    assert res.returncode == 0, res.stderr[-3000:]
+    records = metrics(out)
+    assert [r["step"] for r in records] == [0, 1]
+    assert all(r["step_skipped"] == 0 and r["grad_norm"] > 0 for r in records)
+    assert all("reward_mean/player_b" in r and "eval/win_rate/player_b" in r for r in records)
 
 
 def test_opponent_needs_a_multi_seat_env(tmp_path):

@@ -55,7 +55,7 @@ class TrainerConfig:
     env: str = "guess"  # rows of `rows_for_step`: an environment of interlens_mcore.envs
     opponent: str = "self"  # multi-seat games: player_b is the trained policy, random or frozen
     max_guesses: int = 3  # guess: guesses per game
-    eval_every: int = 0  # steps between games against a fixed random opponent (0: never)
+    eval_every: int = 10  # steps between games against a fixed random opponent (0: never)
     eval_games: int = 16  # per rank and seat
 
     def __post_init__(self) -> None:
@@ -100,6 +100,7 @@ class GRPOTrainer(RolloutMixin, ABC):
         self.groups, self.tokenizer = groups, tokenizer
         self.run_info = run_info or {}
         self.output_dir = Path(config.output_dir)
+        self._frozen_policy: Policy | None = None  # opponent="frozen": player_b, built on first use
         self.step = 0
         self.skipped_steps = 0  # optimizer steps skipped for a non-finite gradient norm, ever
 
@@ -159,7 +160,7 @@ class GRPOTrainer(RolloutMixin, ABC):
     def seat_policy(self, name: str) -> Policy:
         if self.config.opponent != "frozen" or name != self.FROZEN_SEAT:
             return super().seat_policy(name)
-        if getattr(self, "_frozen_policy", None) is None:
+        if self._frozen_policy is None:
             cfg = self.rollout_config
             self._frozen_policy = Policy(
                 name=name,

@@ -70,7 +70,9 @@ def _sha256(path: Path) -> str:
 
 def write_manifest(folder: Path) -> None:
     """`manifest.json`: every file under `folder` (nested ones too), its size and sha256."""
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in (MANIFEST, META))
+    # only the folder's own manifest and meta are left out; a nested file of either name is data
+    own = {folder / MANIFEST, folder / META}
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p not in own)
     entries = {
         p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files
     }

@@ -17,6 +17,7 @@ import torch
 from interlens_mcore.batch import TrainingBatch
 from interlens_mcore.engine import HFEngine
 from interlens_mcore.logprobs import token_logprobs
+from interlens_mcore.mixin import Rollout
 
 from .base import GRPOTrainer
 
@@ -52,6 +53,7 @@ class DeepSpeedGRPOTrainer(GRPOTrainer):
         from transformers import AutoModelForCausalLM
 
         super().__init__(**kwargs)
+        self._frozen_engine = None  # opponent="frozen": built on first use
         if self.rollout_config.layout != "padded":
             raise ValueError("DeepSpeedGRPOTrainer needs RolloutConfig.layout='padded' (HF attention masks)")
         self.model_path = Path(model_path)
@@ -84,7 +86,7 @@ class DeepSpeedGRPOTrainer(GRPOTrainer):
 
         A whole model on every rank, outside ZeRO: its forwards are not collective.
         """
-        if getattr(self, "_frozen_engine", None) is None:
+        if self._frozen_engine is None:
             model = self.reference
             if model is None:
                 from transformers import AutoModelForCausalLM
@@ -93,6 +95,18 @@ class DeepSpeedGRPOTrainer(GRPOTrainer):
                 model.eval().requires_grad_(False)
             self._frozen_engine = HFEngine(model, self.tokenizer, name="frozen")
         return self._frozen_engine
+
+    def training_batches(self, rollout: Rollout) -> list[TrainingBatch | None]:
+        # DeepSpeed steps at its accumulation boundary: one backward per micro-batch must reach
+        # it exactly, or gradients would leak into the next rollout's step
+        batches = super().training_batches(rollout)
+        if len(batches) != self.micro_batches:
+            raise ValueError(
+                f"DeepSpeedGRPOTrainer: {len(batches)} micro-batches per step but the DeepSpeed config's "
+                f"gradient_accumulation_steps is {self.micro_batches}; set it to "
+                "ceil(trajectories per rank / RolloutConfig.micro_batch_size)"
+            )
+        return batches
 
     def logprobs_of(self, model: torch.nn.Module, batch: TrainingBatch) -> torch.Tensor:
         attention = (batch.sample_ids >= 0).long()  # [N, T] right padding

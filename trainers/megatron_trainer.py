@@ -34,6 +34,7 @@ class MegatronGRPOTrainer(GRPOTrainer):
 
     def __init__(self, *, model_path: str | Path, **kwargs: Any):
         super().__init__(**kwargs)
+        self._frozen_engine = None  # opponent="frozen": built on first use
         self.model_path = Path(model_path)
         self.layout = load_layout(self.model_path)
         self.model = build_model(self.layout, init_weights=False)
@@ -54,7 +55,7 @@ class MegatronGRPOTrainer(GRPOTrainer):
 
     def frozen_engine(self) -> MegatronEngine:
         """The initial weights (the KL reference when there is one), generating as "frozen"."""
-        if getattr(self, "_frozen_engine", None) is None:
+        if self._frozen_engine is None:
             model = self.reference
             if model is None:
                 model = build_model(self.layout, init_weights=False).eval().requires_grad_(False)

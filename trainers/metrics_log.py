@@ -34,7 +34,7 @@ class MetricsLog:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         shown = {"reward": ("reward_mean", 3), "kl": ("kl", 4), "is_w": ("is_weight_mean", 3)}
-        shown.update({f"win_{k[-1]}": (k, 2) for k in record if k.startswith("eval/win_rate/")})
+        shown.update({f"win/{k.rsplit('/', 1)[1]}": (k, 2) for k in record if k.startswith("eval/win_rate/")})
         self.bar.set_postfix({name: _fmt(record.get(key), digits) for name, (key, digits) in shown.items()})
         self.bar.update(1)
 
@@ -64,14 +64,14 @@ def plot_rewards(records: list[dict], out: Path) -> None:
 
     steps = [r["step"] for r in records]
     seats = sorted({k.split("/", 1)[1] for r in records for k in r if k.startswith("reward_mean/")})
+    evaluated = sorted({k.rsplit("/", 1)[1] for r in records for k in r if k.startswith("eval/win_rate/")})
     fig, ax = plt.subplots(figsize=(6, 3.5))
+    for seat in evaluated:
+        evals = [(r["step"], r[f"eval/win_rate/{seat}"]) for r in records if f"eval/win_rate/{seat}" in r]
+        ax.plot(*zip(*evals), "o--", label=f"win rate vs random, {seat}")
     if seats:
         for seat in seats:
             ax.plot(steps, [r.get(f"reward_mean/{seat}") for r in records], label=f"reward {seat}")
-        for seat in seats:
-            evals = [(r["step"], r[f"eval/win_rate/{seat}"]) for r in records if f"eval/win_rate/{seat}" in r]
-            if evals:
-                ax.plot(*zip(*evals), "o--", label=f"win rate vs random, {seat}")
     else:
         mean = [r["reward_mean"] for r in records]
         std = [r["reward_std"] for r in records]
@@ -79,7 +79,7 @@ def plot_rewards(records: list[dict], out: Path) -> None:
         lo, hi = [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)]
         ax.fill_between(steps, lo, hi, alpha=0.2)
     ax.set_xlabel("step")
-    ax.set_ylabel("reward" if not seats else "reward / win rate")
+    ax.set_ylabel("reward / win rate" if evaluated else "reward")
     ax.set_ylim(0, 1)
     ax.legend(loc="lower right", fontsize=7)
     fig.tight_layout()

@@ -27,6 +27,11 @@ def make_tasks(env: str, n: int, *, seed: int, opponent: str = "self", max_guess
     raise ValueError(f"env must be one of {ENVS}, got {env!r}")
 
 
+def trained_seats(env: str, opponent: str = "self") -> int:
+    """Trajectories one conversation of `env` trains: every policy seat in self-play, else one."""
+    return len(SEATS) if env == "duel" and opponent == "self" else 1
+
+
 def fixed_opponent_tasks(env: str, n: int, *, seed: int) -> list:
     """Per seat, `n` games of `env` against random players in the other seats ([] for one seat)."""
     if env != "duel":
@@ -52,4 +57,5 @@ __all__ = [
     "guess_tasks",
     "make_tasks",
     "reply_number",
+    "trained_seats",
 ]

@@ -28,6 +28,7 @@ import random
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ..conversation import Conversation, Environment, Participant, Policy
 from ..trajectory import Message
@@ -45,6 +46,7 @@ class DuelTask:
     high: int = 9
     form_weight: float = 0.5
     random_seats: tuple[str, ...] = ()  # seats played by a uniformly random player, not a policy
+    max_turns: ClassVar[int] = 3  # player_a, player_b, referee
 
     def __post_init__(self) -> None:
         if not self.low <= self.target <= self.high:
@@ -54,8 +56,6 @@ class DuelTask:
         unknown = [s for s in self.random_seats if s not in SEATS]
         if unknown:
             raise ValueError(f"DuelTask.random_seats holds {unknown}; the seats are {list(SEATS)}")
-
-    max_turns = 3  # player_a, player_b, referee
 
     def prompt(self) -> list[Message]:
         text = f"target {self.target}. say a number from {self.low} to {self.high}. closest wins"
