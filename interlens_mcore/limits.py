@@ -86,8 +86,9 @@ async def await_limited(fn: Callable, *args: Any, limit: float | None, serial: a
     Without a limit an async fn is awaited and a sync one runs inline, as they always have.
     With one, an async fn is awaited under the limit and cancelled when it expires; a sync
     fn runs in a daemon thread, one at a time under `serial` (sync code was never called
-    concurrently, and need not be thread-safe), its limit counted from when it starts. The
-    thread cannot be killed: after a timeout it may finish later; its result is discarded.
+    concurrently), its limit counted from when it starts. The thread cannot be killed: after a
+    timeout it may still be running while the next sync call starts, so a sync step that can
+    time out must tolerate that; what it returns is discarded.
     """
     if limit is None:
         return await maybe_await(fn(*args))

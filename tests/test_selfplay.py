@@ -24,8 +24,8 @@ class Trainer(RolloutMixin):
         self.rollout_config = RolloutConfig(**{"max_new_tokens": 4, **rollout})
 
 
-def _judge(a: str, b: str, target: int = 5, form_weight: float = 0.5) -> tuple[Conversation, DuelReferee]:
-    task = DuelTask(target=target, form_weight=form_weight)
+def _judge(a: str, b: str, target: int = 5, closeness: float = 0.0) -> tuple[Conversation, DuelReferee]:
+    task = DuelTask(target=target, form_weight=0.5, closeness_weight=closeness)
     referee = task.environment()
     players = [Scripted("player_a", [a], role="assistant"), Scripted("player_b", [b], role="assistant")]
     conv = Conversation([*players, referee], prompt=task.prompt())
@@ -49,6 +49,10 @@ def test_duel_referee_outcomes_and_rewards():
     conv, ref = _judge("no", "nope")  # nobody played: nobody scores the outcome
     assert conv.infos["outcome"] == {"player_a": 0.0, "player_b": 0.0}
     assert ref.reward_for(conv, "referee") is None  # not a seat
+    conv, ref = _judge("4", "9", closeness=0.5)  # A wins at distance 1, B loses at distance 4
+    # game part: 0.5 x outcome + 0.5 x (1 - distance / 8); A: 0.5 + 0.5 x 7/8, B: 0 + 0.5 x 4/8
+    assert ref.reward_for(conv, "player_a") == 0.5 * 1.0 + 0.5 * (0.5 + 0.5 * 7 / 8)
+    assert ref.reward_for(conv, "player_b") == 0.5 * 1.0 + 0.5 * (0.5 * 4 / 8)
 
 
 def test_task_validation_and_factories():

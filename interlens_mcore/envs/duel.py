@@ -6,12 +6,15 @@ per seat lie in [0, 1]:
 
 - form (weight `form_weight`): the fraction of the reply's non-space characters that are
   digits, so a random tiny model has a gradient from its first step;
-- outcome (the rest): 1 for the winner, 1/2 each on a tie, 0 for the loser. A reply without a
-  number loses to one with a number; when neither holds a number nobody played and both get 0.
+- game (the rest): `closeness_weight` x closeness (1 - |number - target| / (high - low)) plus
+  the rest x outcome: 1 for the winner, 1/2 each on a tie, 0 for the loser. A reply without a
+  number has closeness 0 and loses to one with a number; when neither holds a number nobody
+  played and both get outcome 0.
 
-Form, and the "nobody played" case, are not zero-sum: in self-play both seats' rewards rise
-while they learn to play. Between two players who play, the outcome is zero-sum, so skill at
-the game itself is measured against a fixed opponent, a uniformly random player
+Form, closeness and the "nobody played" case are not zero-sum: in self-play both seats'
+rewards rise while they learn to play, and closeness keeps pulling toward the target when
+every game is a tie. Between two players who play, the outcome is zero-sum, so skill at the
+game itself is measured against a fixed opponent, a uniformly random player
 (`DuelTask(random_seats=...)`): the win rate counts a tie as half a win.
 
 Example (self-play: the trainer fills both seats with the trained policy)::
@@ -19,7 +22,7 @@ Example (self-play: the trainer fills both seats with the trained policy)::
     task = DuelTask(target=7)
     conv = Conversation(task.lineup(seat), prompt=task.prompt(), run_until=MaxTurns(task.max_turns))
     co_step([conv]); a, b = conv.trajectories()   # one per seat, each from its own view
-    reward_a = task.referee.reward_for(conv, "player_a")
+    reward_a = conv.lineup[-1].reward_for(conv, "player_a")   # the referee speaks last
 """
 
 from __future__ import annotations
@@ -45,14 +48,16 @@ class DuelTask:
     low: int = 1
     high: int = 9
     form_weight: float = 0.5
+    closeness_weight: float = 0.5  # share of the game part paid for closeness to the target
     random_seats: tuple[str, ...] = ()  # seats played by a uniformly random player, not a policy
     max_turns: ClassVar[int] = 3  # player_a, player_b, referee
 
     def __post_init__(self) -> None:
         if not self.low <= self.target <= self.high:
             raise ValueError(f"DuelTask.target {self.target} lies outside [{self.low}, {self.high}]")
-        if not 0.0 <= self.form_weight <= 1.0:
-            raise ValueError(f"DuelTask.form_weight must lie in [0, 1], got {self.form_weight}")
+        for name in ("form_weight", "closeness_weight"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"DuelTask.{name} must lie in [0, 1], got {getattr(self, name)}")
         unknown = [s for s in self.random_seats if s not in SEATS]
         if unknown:
             raise ValueError(f"DuelTask.random_seats holds {unknown}; the seats are {list(SEATS)}")
@@ -130,5 +135,8 @@ class DuelReferee(Environment):
         reply = self._reply(conv, participant)
         if outcome is None or participant not in outcome or reply is None:
             return None  # not a seat of this game, or the game never reached the referee
-        w = self.task.form_weight
-        return w * _form(reply) + (1.0 - w) * outcome[participant]
+        t = self.task
+        n = reply_number(reply)
+        close = 0.0 if n is None else max(0.0, 1.0 - abs(n - t.target) / (t.high - t.low))
+        game = (1.0 - t.closeness_weight) * outcome[participant] + t.closeness_weight * close
+        return t.form_weight * _form(reply) + (1.0 - t.form_weight) * game
