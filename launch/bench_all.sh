@@ -9,6 +9,7 @@
 #   GROWTH_CONVS=1,4,16,64,256 GROWTH_TURNS=1,2,4,8,16 GROWTH_NEW=8
 #   TRAIN_STEPS=4 TRAIN_BATCH=16 TRAIN_TIMEOUT=240                          training-step breakdown (2 ranks)
 #   TENSORS_TRAJ=256                                      packed vs padded tensors
+#   SOAK_RUNS=200                                         randomised fault soak (2 ranks)
 #   TRL_VERSION=1.16.0 (empty: skip installing TRL)       peer comparison
 #   RESUME=1: skip every benchmark whose JSON is already in benchmarks/results
 set -euo pipefail
@@ -37,6 +38,9 @@ todo growth && python benchmarks/bench_growth.py --json --conversations "${GROWT
     --turns "${GROWTH_TURNS:-1,2,4,8,16}" --max-new-tokens "${GROWTH_NEW:-8}" | last > "$OUT/growth.json"
 step vote
 todo vote && torchrun --nproc_per_node=2 benchmarks/bench_vote.py --json | last > "$OUT/vote.json"
+
+step soak
+todo soak && torchrun --nproc_per_node=2 benchmarks/soak_rollout.py --json --runs "${SOAK_RUNS:-200}" | last > "$OUT/soak.json"
 
 train() {  # name, then options for launch/train_grpo.py's parser
     local name=$1; shift

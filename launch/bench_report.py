@@ -114,6 +114,14 @@ def table(res: dict[str, dict]) -> list[str]:
             f"({v['vote_ms_median']} median) vs {v['turn_ms_per_round']} ms/round of turns; "
             f"{v['vote_fraction']:.1%} of rollout time | |"
         )
+    if "soak" in res:
+        s = res["soak"]
+        rows.append(
+            f"| Soak, 2 ranks, {s['runs']} randomised rollouts ({s['wall_s']} s) | {s['hangs']} hangs, "
+            f"{s['surfaced_failures']} of {s['injected_failures']} injected failures surfaced, "
+            f"{s['misaligned_trajectories']} misaligned and {s['lost_trajectories']} lost of "
+            f"{s['trajectories']} trajectories, {s['timeouts']} timeouts | 0 hangs, all surfaced, 0, 0 |"
+        )
     for k in sorted(res):
         if k.startswith("train_") and "error" in res[k]:
             rows.append(f"| Step, {res[k]['config']} | {res[k]['error']} | |")
