@@ -37,7 +37,7 @@ def test_short_soak_on_two_ranks(tiny_path):
 @pytest.fixture(scope="module")
 def soak():
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    return importlib.import_module("soak_rollout")
+    return importlib.import_module("soak_checks")
 
 
 @pytest.fixture(scope="module")
