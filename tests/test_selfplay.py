@@ -6,22 +6,15 @@ import asyncio
 
 import pytest
 import torch
+from test_mixin import ForeignTrainer
 
 from interlens_mcore.conversation import Conversation, Environment, Policy, Scripted
 from interlens_mcore.engine import HFEngine
 from interlens_mcore.envs import DuelTask, duel_tasks, fixed_opponent_tasks, guess_tasks, make_tasks
 from interlens_mcore.envs.duel import DuelReferee
-from interlens_mcore.mixin import RolloutConfig, RolloutMixin
-from interlens_mcore.parallel import ParallelGroups
 from interlens_mcore.trajectory import Message, Status
 
-
-class Trainer(RolloutMixin):
-    def __init__(self, model, tokenizer, **rollout):
-        self.engine = HFEngine(model, tokenizer)
-        self.tokenizer = tokenizer
-        self.groups = ParallelGroups(rank=0, world_size=1)
-        self.rollout_config = RolloutConfig(**{"max_new_tokens": 4, **rollout})
+Trainer = ForeignTrainer  # an HF model, one process, no torch.distributed
 
 
 def _judge(a: str, b: str, target: int = 5, closeness: float = 0.0) -> tuple[Conversation, DuelReferee]:
