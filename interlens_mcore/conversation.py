@@ -18,15 +18,6 @@ from typing import Any
 
 from .chat import ChatFormat
 from .engine import Engine, SamplingParams
-
-# the step time-limit helpers live in limits.py; importable from here too (costep, mixin use them)
-from .limits import (  # noqa: F401
-    StepTimeout,
-    await_limited,
-    call_limited,
-    check_time_limit,
-    maybe_await,
-)
 from .stop import StopCondition, ambient_conditions
 from .trajectory import Message, Status, Trajectory, TurnSpan
 

@@ -19,15 +19,9 @@ from collections.abc import Sequence
 
 import torch
 
-from .conversation import (
-    Conversation,
-    Environment,
-    Policy,
-    StepTimeout,
-    await_limited,
-    check_time_limit,
-)
+from .conversation import Conversation, Environment, Policy
 from .engine import Engine, Generation, GenerationRequest
+from .limits import StepTimeout, await_limited, check_time_limit
 from .sampling import mix_seed
 from .trajectory import Message, Status
 from .vote import GatherFn, cast_vote, local_gather

@@ -39,9 +39,10 @@ import torch
 
 from .advantages import group_advantages
 from .batch import LAYOUTS, TrainingBatch, build_batch
-from .conversation import Conversation, Environment, Participant, Policy, check_time_limit
+from .conversation import Conversation, Environment, Participant, Policy
 from .costep import co_step
 from .engine import SamplingParams
+from .limits import check_time_limit
 from .multiturn import EngineRollout, MultiTurnRequest, MultiTurnScheduler, run_multi_turn
 from .sampling import mix_seed
 from .stop import MaxTurns
@@ -96,7 +97,12 @@ class RolloutConfig:
             raise ValueError(
                 f"RolloutConfig.on_timeout must be one of {TIMEOUT_POLICIES}, got {self.on_timeout!r}"
             )
-        SamplingParams(temperature=self.temperature, max_new_tokens=self.max_new_tokens)  # validates
+        _ = self.sampling  # SamplingParams validates temperature and max_new_tokens
+
+    @property
+    def sampling(self) -> SamplingParams:
+        """The sampling settings of every policy turn."""
+        return SamplingParams(temperature=self.temperature, max_new_tokens=self.max_new_tokens)
 
 
 @dataclass
@@ -152,10 +158,8 @@ class RolloutMixin:
         Built once per seat name (a policy's chat format renders probes on creation).
         """
         if name not in self._trained_seats:
-            cfg = self.rollout_config
-            sampling = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens)
             self._trained_seats[name] = Policy(
-                name=name, engine=self.engine, tokenizer=self.tokenizer, sampling=sampling
+                name=name, engine=self.engine, tokenizer=self.tokenizer, sampling=self.rollout_config.sampling
             )
         return self._trained_seats[name]
 
@@ -285,7 +289,7 @@ class RolloutMixin:
                 requests.append(
                     MultiTurnRequest.from_messages(chat, messages, index=index, data={"group": i})
                 )
-        sampling = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens)
+        sampling = cfg.sampling
         rollout_fn = EngineRollout(self.engine, chat, seed=mix_seed(cfg.seed, step))
         first = rollout_fn(requests, sampling)  # collective: every rank has rows every step
         outputs = run_multi_turn(

@@ -152,8 +152,8 @@ def validate(opts: Options) -> None:
 
     if opts.env not in ENVS:
         raise UsageError(f"--env must be one of {', '.join(ENVS)}, got {opts.env!r}")
-    if opts.opponent not in (*OPPONENTS, "frozen"):
-        raise UsageError(f"--opponent must be one of {', '.join(OPPONENTS)}, frozen, got {opts.opponent!r}")
+    if opts.opponent not in OPPONENTS:
+        raise UsageError(f"--opponent must be one of {', '.join(OPPONENTS)}, got {opts.opponent!r}")
     if opts.opponent != "self" and opts.env != "duel":
         raise UsageError(f"--opponent {opts.opponent} needs --env duel (--env {opts.env} has one seat)")
     if opts.eval_every < 0:

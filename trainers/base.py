@@ -28,7 +28,7 @@ import torch
 from interlens_mcore import parallel
 from interlens_mcore.batch import TrainingBatch, build_batch
 from interlens_mcore.conversation import Policy
-from interlens_mcore.engine import Engine, SamplingParams
+from interlens_mcore.engine import Engine
 from interlens_mcore.envs import ENVS, OPPONENTS, fixed_opponent_tasks, make_tasks
 from interlens_mcore.loss import LossConfig, batch_loss, finalize_metrics, merge_metrics
 from interlens_mcore.mixin import Rollout, RolloutConfig, RolloutMixin
@@ -73,10 +73,8 @@ class TrainerConfig:
             raise ValueError(f"TrainerConfig.lr must be > 0, got {self.lr}")
         if self.env not in ENVS:
             raise ValueError(f"TrainerConfig.env must be one of {ENVS}, got {self.env!r}")
-        if self.opponent not in (*OPPONENTS, "frozen"):
-            raise ValueError(
-                f"TrainerConfig.opponent must be one of {(*OPPONENTS, 'frozen')}, got {self.opponent!r}"
-            )
+        if self.opponent not in OPPONENTS:
+            raise ValueError(f"TrainerConfig.opponent must be one of {OPPONENTS}, got {self.opponent!r}")
         if self.opponent != "self" and self.env != "duel":
             raise ValueError(f"TrainerConfig.opponent {self.opponent!r} needs a multi-seat env ('duel')")
         if self.eval_every < 0:
@@ -148,10 +146,9 @@ class GRPOTrainer(RolloutMixin, ABC):
         """This rank's rows: a pure function of (seed, step, rank), so resuming replays them."""
         cfg = self.config
         seed = mix_seed(cfg.seed, step, self.groups.rank)
-        # a frozen opponent is a policy seat: the task keeps it, `seat_policy` freezes it
-        opponent = "self" if cfg.opponent == "frozen" else cfg.opponent
+        # a frozen opponent's seat stays a policy seat in the task; `seat_policy` freezes it
         return make_tasks(
-            cfg.env, cfg.prompts_per_rank, seed=seed, opponent=opponent, max_guesses=cfg.max_guesses
+            cfg.env, cfg.prompts_per_rank, seed=seed, opponent=cfg.opponent, max_guesses=cfg.max_guesses
         )
 
     # -- seats ----------------------------------------------------------------------------------
@@ -161,12 +158,11 @@ class GRPOTrainer(RolloutMixin, ABC):
         if self.config.opponent != "frozen" or name != self.FROZEN_SEAT:
             return super().seat_policy(name)
         if self._frozen_policy is None:
-            cfg = self.rollout_config
             self._frozen_policy = Policy(
                 name=name,
                 engine=self.frozen_engine(),
                 tokenizer=self.tokenizer,
-                sampling=SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens),
+                sampling=self.rollout_config.sampling,
                 trainable=False,
             )
         return self._frozen_policy
@@ -299,7 +295,11 @@ class GRPOTrainer(RolloutMixin, ABC):
 
     def step_record(self, rollout: Rollout, m: dict[str, float], *, rollout_s: float, train_s: float) -> dict:
         """The metrics.jsonl line: rewards over every DP rank, loss and IS figures, timings."""
-        rewards = torch.cat(parallel.all_gather_object(rollout.rewards, group=self.groups.dp))
+        # one gather: rewards in rank order, per-seat rewards and timeouts of every DP rank
+        parts = parallel.all_gather_object(
+            (rollout.rewards, rollout.seat_rewards(), rollout.timeouts), group=self.groups.dp
+        )
+        rewards = torch.cat([p[0] for p in parts])
         turns = [t.infos.get("turns", 0) for t in rollout.trajectories]
         record = {
             "step": self.step,
@@ -321,14 +321,10 @@ class GRPOTrainer(RolloutMixin, ABC):
             "train_s": round(train_s, 3),
         }
         seats: dict[str, list[float]] = {}
-        timeouts = 0
-        for part_seats, part_timeouts in parallel.all_gather_object(
-            (rollout.seat_rewards(), rollout.timeouts), group=self.groups.dp
-        ):
-            timeouts += part_timeouts
+        for _, part_seats, _ in parts:
             for seat, values in part_seats.items():
                 seats.setdefault(seat, []).extend(values)
-        record["timeouts"] = timeouts  # samples a step time limit ended (RolloutConfig.on_timeout)
+        record["timeouts"] = sum(p[2] for p in parts)  # samples a step time limit ended (on_timeout)
         if len(seats) > 1:  # several trained seats: each seat's own mean
             record.update({f"reward_mean/{k}": sum(v) / len(v) for k, v in sorted(seats.items())})
         # JSON has no NaN or inf: a non-finite figure (the loss of a skipped step) is written null

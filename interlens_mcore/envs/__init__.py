@@ -11,11 +11,16 @@ from .duel import SEATS, DuelReferee, DuelTask, RandomPlayer, duel_tasks
 from .guess import GuessNumber, GuessNumberTask, guess_tasks, reply_number
 
 ENVS = ("guess", "duel")
-OPPONENTS = ("self", "random")  # who fills the other seats of a multi-seat game in training
+# who fills player_b's seat of a multi-seat game in training: the trained policy, a random
+# player, or a policy the trainer freezes (for the task, "frozen" is a policy seat like "self")
+OPPONENTS = ("self", "random", "frozen")
 
 
 def make_tasks(env: str, n: int, *, seed: int, opponent: str = "self", max_guesses: int = 3) -> list:
-    """`n` training rows of `env`; `opponent="random"` puts a random player in player_b's seat."""
+    """`n` training rows of `env`; `opponent="random"` puts a random player in player_b's seat.
+
+    "self" and "frozen" both leave player_b a policy seat: the trainer decides who plays it.
+    """
     if env == "guess":
         if opponent != "self":
             raise ValueError(f"opponent {opponent!r}: env 'guess' has a single seat")
