@@ -72,11 +72,13 @@ class TaskSource(ABC):
         name: shown in metrics and in the default output folder `runs/<name>-<time>`.
         trained_seats: the policy seats that yield a trajectory each (self-play: all of them).
         frozen_seats: policy seats the trainer fills with a frozen copy of the initial weights.
+        reward_key: with a scheduler, the `rollout_infos` key that holds the environment reward.
     """
 
     name: str = "task"
     trained_seats: tuple[str, ...] = ("policy",)
     frozen_seats: tuple[str, ...] = ()
+    reward_key: str = "reward"
 
     @abstractmethod
     def rows(self, n: int, *, seed: int) -> list[Any]:
