@@ -76,7 +76,9 @@ class RolloutMixin:
     def generate_rollouts(self, rows: Sequence[Any], step: int) -> Rollout:
         """Run, score and advantage this rank's samples of `rows` (collective)."""
         rollout = self.rollouter.run(rows, step, self.scheduler())
-        for t, r in zip(rollout.trajectories, self.compute_rewards(rollout.trajectories, rollout.rows), strict=True):
+        for t, r in zip(
+            rollout.trajectories, self.compute_rewards(rollout.trajectories, rollout.rows), strict=True
+        ):
             t.reward = r
         rollout.advantages, rollout.keep = rollout_advantages(rollout.trajectories, self.rollout_config)
         return rollout
@@ -84,7 +86,9 @@ class RolloutMixin:
     def evaluate(self, rows: Sequence[Any], step: int) -> Rollout:
         """Each row once, the trained policy in every policy seat, rewards set (collective)."""
         rollout = self.rollouter.evaluate(rows, step)
-        for t, r in zip(rollout.trajectories, self.compute_rewards(rollout.trajectories, rollout.rows), strict=True):
+        for t, r in zip(
+            rollout.trajectories, self.compute_rewards(rollout.trajectories, rollout.rows), strict=True
+        ):
             t.reward = r
         return rollout
 

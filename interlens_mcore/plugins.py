@@ -19,7 +19,9 @@ def load_object(spec: str, *, what: str) -> Any:
         return getattr(module, attr)
     except AttributeError:
         public = sorted(n for n in vars(module) if not n.startswith("_"))
-        raise ValueError(f"{what} {spec!r}: {module_name} has no {attr!r} (it has: {', '.join(public)})") from None
+        raise ValueError(
+            f"{what} {spec!r}: {module_name} has no {attr!r} (it has: {', '.join(public)})"
+        ) from None
 
 
 def load_module(name: str, *, what: str):

@@ -45,14 +45,18 @@ class RolloutConfig:
         default=None, metadata={"help": "rows per engine call (default: all of a round's rows)"}
     )
     scale_by_std: bool = field(default=True, metadata={"help": "divide advantages by the group's std"})
-    leave_one_out: bool = field(default=False, metadata={"help": "baseline = mean of the other samples (RLOO)"})
+    leave_one_out: bool = field(
+        default=False, metadata={"help": "baseline = mean of the other samples (RLOO)"}
+    )
     drop_zero_variance: bool = field(
         default=False, metadata={"help": "leave out groups whose rewards are all equal"}
     )
     micro_batch_size: int = field(
         default=0, metadata={"help": "trajectories per forward/backward (0: all of a rank's)"}
     )
-    seed: int = field(default=0, metadata={"help": "seeds the rows of every step and every sample's sampling"})
+    seed: int = field(
+        default=0, metadata={"help": "seeds the rows of every step and every sample's sampling"}
+    )
     step_timeout_s: float | None = field(
         default=None, metadata={"help": "time limit of one environment / tool / scheduler step, seconds"}
     )
@@ -69,7 +73,9 @@ class RolloutConfig:
             raise ValueError(f"RolloutConfig.max_batch_size must be >= 1, got {self.max_batch_size}")
         check_time_limit(self.step_timeout_s, "RolloutConfig.step_timeout_s")
         if self.on_timeout not in ("zero", "drop"):
-            raise ValueError(f"RolloutConfig.on_timeout must be one of ('zero', 'drop'), got {self.on_timeout!r}")
+            raise ValueError(
+                f"RolloutConfig.on_timeout must be one of ('zero', 'drop'), got {self.on_timeout!r}"
+            )
         _ = self.sampling  # SamplingParams validates temperature and max_new_tokens
 
     @property
@@ -141,7 +147,11 @@ class Rollouter:
         if (name, frozen) not in self._policies:
             engine = self._frozen_engine_fn() if frozen else self.engine
             self._policies[name, frozen] = Policy(
-                name=name, engine=engine, tokenizer=self.tokenizer, sampling=self.config.sampling, trainable=not frozen
+                name=name,
+                engine=engine,
+                tokenizer=self.tokenizer,
+                sampling=self.config.sampling,
+                trainable=not frozen,
             )
         return self._policies[name, frozen]
 
@@ -330,7 +340,11 @@ def micro_batches(
     chunks = [pairs[i * size : (i + 1) * size] for i in range(count)]
     return [
         build_batch(
-            [t for t, _ in c], [a for _, a in c], layout=layout, pad_to_multiple=pad_to_multiple, pad_id=pad_id
+            [t for t, _ in c],
+            [a for _, a in c],
+            layout=layout,
+            pad_to_multiple=pad_to_multiple,
+            pad_id=pad_id,
         )
         if c
         else None

@@ -54,7 +54,9 @@ def reward_fns(args: Args) -> tuple[list[Any], list[float] | None]:
     weights = list(args.launch.reward_weights) or None
     if weights is not None and len(weights) != len(fns):
         names = ", ".join(reward_name(f) for f in fns)
-        raise UsageError(f"--reward-weights has {len(weights)} values for {len(fns)} reward functions ({names})")
+        raise UsageError(
+            f"--reward-weights has {len(weights)} values for {len(fns)} reward functions ({names})"
+        )
     return fns, weights
 
 

@@ -38,7 +38,9 @@ class LaunchConfig:
 
     task: str = field(
         default="guess",
-        metadata={"help": "guess, duel, FAMILY:ID of a task library, or MODULE:FACTORY returning a TaskSource"},
+        metadata={
+            "help": "guess, duel, FAMILY:ID of a task library, or MODULE:FACTORY returning a TaskSource"
+        },
     )
     task_args: str = field(default="{}", metadata={"help": "JSON object of the task's options"})
     reward: list[str] = field(
@@ -48,9 +50,15 @@ class LaunchConfig:
     reward_weights: list[float] = field(
         default_factory=list, metadata={"help": "one weight per reward function, the task's first"}
     )
-    no_env_reward: bool = field(default=False, metadata={"help": "drop the task's own reward (needs --reward)"})
-    resume: bool = field(default=False, metadata={"help": "continue the run in --output-dir from its newest checkpoint"})
-    export_hf: str | None = field(default=None, metadata={"help": "write the trained model as an HF folder here"})
+    no_env_reward: bool = field(
+        default=False, metadata={"help": "drop the task's own reward (needs --reward)"}
+    )
+    resume: bool = field(
+        default=False, metadata={"help": "continue the run in --output-dir from its newest checkpoint"}
+    )
+    export_hf: str | None = field(
+        default=None, metadata={"help": "write the trained model as an HF folder here"}
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.task_arguments, dict):
@@ -61,7 +69,9 @@ class LaunchConfig:
         try:
             return json.loads(self.task_args)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"LaunchConfig.task_args is not valid JSON ({exc.msg}): {self.task_args!r}") from None
+            raise ValueError(
+                f"LaunchConfig.task_args is not valid JSON ({exc.msg}): {self.task_args!r}"
+            ) from None
 
 
 SECTIONS = (LaunchConfig, BackendConfig, TrainerConfig, RolloutConfig, LossConfig)
@@ -101,6 +111,8 @@ class _Parser(HfArgumentParser):
 
 
 def _suggest(message: str, parser: argparse.ArgumentParser) -> str:
+    # "argument --on_timeout/--on-timeout: ..." -> "--on-timeout: ...": one name, the dashed one
+    message = re.sub(r"argument --[\w]+/(--[\w-]+)", r"\1", message)
     known = sorted(s for a in parser._actions for s in a.option_strings if s.startswith("--"))
     unknown = re.findall(r"(--[\w-]+)", message.split("arguments:", 1)[-1]) if "arguments" in message else []
     if not unknown:
@@ -206,7 +218,13 @@ def read_yaml(path: Path, sections: tuple = SECTIONS) -> dict[str, Any]:
         if name in ("reward", "reward_weights") and not isinstance(value, list):
             value = [value]
         kinds = _kind(hints[name])
-        if value is not None and kinds and not isinstance(value, kinds) or isinstance(value, bool) and bool not in kinds:
+        if (
+            value is not None
+            and kinds
+            and not isinstance(value, kinds)
+            or isinstance(value, bool)
+            and bool not in kinds
+        ):
             expected = " or ".join(k.__name__ for k in kinds)
             raise UsageError(f"--config {path}: {key} must be {expected}, got {value!r}")
         out[name] = value

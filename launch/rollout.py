@@ -35,7 +35,8 @@ OUT_FILE = "rollouts.jsonl"
 @dataclass(frozen=True, kw_only=True)
 class RolloutScriptConfig:
     checkpoint: str | None = field(
-        default=None, metadata={"help": "a training run folder (its newest intact checkpoint) or a step-NNNNNN folder"}
+        default=None,
+        metadata={"help": "a training run folder (its newest intact checkpoint) or a step-NNNNNN folder"},
     )
 
 

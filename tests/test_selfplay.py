@@ -99,7 +99,9 @@ def test_self_play_seats_views_rewards_and_groups(tiny):
         assert t.reward == conv.lineup[-1].reward_for(conv, t.participant)
     a_view = next(t for t in trajs if t.participant == "player_a")
     b_view = next(
-        t for t in trajs if t.participant == "player_b" and t.infos["conversation"] == a_view.infos["conversation"]
+        t
+        for t in trajs
+        if t.participant == "player_b" and t.infos["conversation"] == a_view.infos["conversation"]
     )
     # B answered after reading A: A's reply, rendered once as a user message, precedes B's turn
     a_msg = next(m for m in by_id[a_view.infos["conversation"]].messages if m.speaker == "player_a")

@@ -17,7 +17,9 @@ REPORTERS = ("jsonl", "tensorboard", "wandb")
 class TrainerConfig:
     """The outer loop, the optimizer, checkpoints, evaluation and logging."""
 
-    steps: int = field(default=150, metadata={"help": "optimizer steps of the run (a resumed run may raise it)"})
+    steps: int = field(
+        default=150, metadata={"help": "optimizer steps of the run (a resumed run may raise it)"}
+    )
     batch_size: int = field(
         default=32, metadata={"help": "samples per rank per step: a multiple of --num-generations"}
     )
@@ -27,17 +29,23 @@ class TrainerConfig:
     updates_per_rollout: int = field(
         default=1, metadata={"help": "optimizer steps per rollout batch (> 1: old logprobs recomputed)"}
     )
-    save_every: int = field(default=10, metadata={"help": "steps between checkpoints (the last is always saved)"})
+    save_every: int = field(
+        default=10, metadata={"help": "steps between checkpoints (the last is always saved)"}
+    )
     save_total_limit: int = field(default=2, metadata={"help": "checkpoints kept (the newest ones)"})
     eval_every: int = field(
-        default=10, metadata={"help": "steps between evaluations on held-out rows (0: never); also at the end"}
+        default=10,
+        metadata={"help": "steps between evaluations on held-out rows (0: never); also at the end"},
     )
-    eval_size: int = field(default=16, metadata={"help": "held-out rows per rank (per seat in multi-seat games)"})
+    eval_size: int = field(
+        default=16, metadata={"help": "held-out rows per rank (per seat in multi-seat games)"}
+    )
     output_dir: str | None = field(
         default=None, metadata={"help": "run folder (default: a new runs/<task>-<timestamp>)"}
     )
     report_to: str = field(
-        default="jsonl", metadata={"help": "comma-separated loggers: jsonl, tensorboard, wandb (offline works)"}
+        default="jsonl",
+        metadata={"help": "comma-separated loggers: jsonl, tensorboard, wandb (offline works)"},
     )
     log_completions_every: int = field(
         default=10, metadata={"help": "steps between sample completions in completions.jsonl (0: never)"}
@@ -45,7 +53,14 @@ class TrainerConfig:
     log_completions: int = field(default=4, metadata={"help": "trajectories written each time"})
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "updates_per_rollout", "save_every", "save_total_limit", "eval_size"):
+        for name in (
+            "steps",
+            "batch_size",
+            "updates_per_rollout",
+            "save_every",
+            "save_total_limit",
+            "eval_size",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainerConfig.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("eval_every", "log_completions_every", "log_completions"):
@@ -71,9 +86,12 @@ class BackendConfig:
     """Which training backend holds the model, and how it is split."""
 
     backend: Literal["megatron", "deepspeed"] = field(
-        default="megatron", metadata={"help": "megatron (megatron-core GPTModel) or deepspeed (HF model, ZeRO)"}
+        default="megatron",
+        metadata={"help": "megatron (megatron-core GPTModel) or deepspeed (HF model, ZeRO)"},
     )
-    model: str | None = field(default=None, metadata={"help": "HF checkpoint folder (default: the tiny local model)"})
+    model: str | None = field(
+        default=None, metadata={"help": "HF checkpoint folder (default: the tiny local model)"}
+    )
     tp: int = field(default=1, metadata={"help": "tensor-parallel size (megatron)"})
     zero_stage: Literal[1, 2, 3] = field(default=3, metadata={"help": "DeepSpeed ZeRO stage"})
 

@@ -89,12 +89,15 @@ class GRPOTrainer:
         n = self.rollout_config.num_generations
         if config.batch_size % n:
             raise ValueError(
-                f"RolloutConfig.num_generations {n} does not fit TrainerConfig.batch_size {config.batch_size}: "
+                f"RolloutConfig.num_generations {n} does not fit "
+                f"TrainerConfig.batch_size {config.batch_size}: "
                 "the batch must hold whole groups (a positive multiple of num_generations)"
             )
         self.check_micro_batches()
         if self.loss_config.beta > 0 and not backend.has_reference:
-            raise ValueError(f"LossConfig.beta {self.loss_config.beta} > 0 needs a backend built with reference=True")
+            raise ValueError(
+                f"LossConfig.beta {self.loss_config.beta} > 0 needs a backend built with reference=True"
+            )
         self.rollouter = Rollouter(
             engine=backend.engine,
             tokenizer=tokenizer,
@@ -121,8 +124,9 @@ class GRPOTrainer:
         size = self.rollout_config.micro_batch_size or per_rank
         if math.ceil(per_rank / size) != expected:
             raise ValueError(
-                f"{math.ceil(per_rank / size)} micro-batches per step ({per_rank} trajectories, micro_batch_size "
-                f"{size}) but the backend steps after {expected}: build it for this micro-batch count"
+                f"{math.ceil(per_rank / size)} micro-batches per step ({per_rank} trajectories, "
+                f"micro_batch_size {size}) but the backend steps after {expected}: "
+                "build it for this micro-batch count"
             )
 
     # -- the loop ----------------------------------------------------------------------------
@@ -231,7 +235,9 @@ class GRPOTrainer:
     def completions(self, rollout: Rollout) -> list[dict]:
         """A few of this rank's trajectories as text, for completions.jsonl."""
         out = []
-        for t, a in list(zip(rollout.trajectories, rollout.advantages.tolist()))[: self.config.log_completions]:
+        for t, a in list(zip(rollout.trajectories, rollout.advantages.tolist()))[
+            : self.config.log_completions
+        ]:
             out.append(
                 {
                     "conversation": t.infos.get("conversation"),

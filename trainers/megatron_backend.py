@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
 
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -58,9 +57,7 @@ class MegatronBackend:
         self.train_model = self._wrap_ddp(self.model)
         self.tp_shards = tp_sharded(self.model)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
-        self.engine = MegatronEngine(
-            self.model, self.layout_info, group=groups.rollout, tp_group=groups.tp
-        )
+        self.engine = MegatronEngine(self.model, self.layout_info, group=groups.rollout, tp_group=groups.tp)
 
     @property
     def has_reference(self) -> bool:
@@ -106,7 +103,11 @@ class MegatronBackend:
             lp = token_logprobs(logits, targets, temperature=t)
         else:
             lp = vocab_parallel_token_logprobs(
-                logits, targets, vocab_start=vocab_start(self.layout_info), temperature=t, group=self.groups.tp
+                logits,
+                targets,
+                vocab_start=vocab_start(self.layout_info),
+                temperature=t,
+                group=self.groups.tp,
             )
         return lp[None]  # [1, T]
 

@@ -28,7 +28,9 @@ def plot_run(records: list[dict], out: Path) -> None:
     if not seats and train:
         steps, mean = _series(train, "reward_mean")
         std = [r.get("reward_std") or 0.0 for r in train if r.get("reward_mean") is not None]
-        ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2)
+        ax.fill_between(
+            steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2
+        )
     for key in rates:
         style = "-" if key == "success_rate" else "o--"
         ax.plot(*_series(records, key), style, label=key)

@@ -48,7 +48,9 @@ def rollout_figures(rollout: Rollout, components: dict[str, list[float]], group:
     }
     names = sorted({n for p in parts for n in p["components"]})
     if len(names) > 1:  # several reward functions: each one's mean apart
-        out.update({f"reward/{n}": _mean([v for p in parts for v in p["components"].get(n, [])]) for n in names})
+        out.update(
+            {f"reward/{n}": _mean([v for p in parts for v in p["components"].get(n, [])]) for n in names}
+        )
     seats: dict[str, list[float]] = {}
     for p in parts:
         for seat, values in p["seats"].items():

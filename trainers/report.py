@@ -63,7 +63,9 @@ class Reporter:
             import wandb
 
             # offline unless the user set WANDB_MODE or has an API key: no network needed
-            mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+            mode = os.environ.get("WANDB_MODE") or (
+                "online" if os.environ.get("WANDB_API_KEY") else "offline"
+            )
             self.wandb = wandb.init(
                 project=os.environ.get("WANDB_PROJECT", "interlens_mcore"),
                 name=self.out.name,
@@ -111,8 +113,10 @@ class Reporter:
         if self.wandb is not None:
             import wandb
 
-            self.wandb.log({"completions": wandb.Table(columns=["seat", "reward", "advantage", "text"], data=rows)},
-                           step=step)
+            self.wandb.log(
+                {"completions": wandb.Table(columns=["seat", "reward", "advantage", "text"], data=rows)},
+                step=step,
+            )
 
     def plot(self) -> None:
         if self.enabled:

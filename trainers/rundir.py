@@ -89,7 +89,9 @@ def claim(out: Path, run: dict[str, Any], *, resume: bool):
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         handle.close()
-        raise RunDirError(f"--output-dir {out}: another process is still writing to it (.lock is held)") from None
+        raise RunDirError(
+            f"--output-dir {out}: another process is still writing to it (.lock is held)"
+        ) from None
     write_json_atomic(out / RUN_FILE, run)
     return handle
 

@@ -47,7 +47,10 @@ def update(trainer: Any, batches: list[TrainingBatch | None], rollout: Rollout) 
             real = batch is not None
             mb = batch if real else placeholder
             lp = backend.logprobs_of(mb)
-            kwargs = {"old_logprobs": old[i] if old and real else None, "ref_logprobs": refs[i] if real else None}
+            kwargs = {
+                "old_logprobs": old[i] if old and real else None,
+                "ref_logprobs": refs[i] if real else None,
+            }
             if not real and beta > 0:
                 kwargs["ref_logprobs"] = lp.detach()
             loss, metrics = trainer.loss_fn(

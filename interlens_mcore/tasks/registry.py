@@ -43,7 +43,9 @@ def resolve_task(spec: str, task_args: dict[str, Any] | None = None) -> TaskSour
         elif ":" in spec:
             source = load_object(spec, what="--task")(**args)
         else:
-            raise ValueError(f"--task {spec!r} is not a known task; expected one of {', '.join(known_tasks())}")
+            raise ValueError(
+                f"--task {spec!r} is not a known task; expected one of {', '.join(known_tasks())}"
+            )
     except TypeError as exc:  # a task argument the factory does not take
         raise ValueError(f"--task {spec}: bad --task-args {args}: {exc}") from None
     if not isinstance(source, TaskSource):

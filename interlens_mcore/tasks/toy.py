@@ -57,7 +57,10 @@ class DuelTasks(TaskSource):
             task
             for i, seat in enumerate(SEATS)
             for task in duel_tasks(
-                n, seed=(seed ^ _EVAL_SEED) + i, random_seats=tuple(s for s in SEATS if s != seat), **self.task_args
+                n,
+                seed=(seed ^ _EVAL_SEED) + i,
+                random_seats=tuple(s for s in SEATS if s != seat),
+                **self.task_args,
             )
         ]
 
