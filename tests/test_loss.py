@@ -31,6 +31,11 @@ ROLLOUT = torch.tensor([[-1.0 - 2 * LN2, -1.0 + LN2, -1.0, math.nan, math.nan, 0
 COMPLETE = torch.tensor([True, False])
 
 
+def cfg(**kwargs):
+    """LossConfig with the library's KL and IS turned off unless a test asks for them."""
+    return LossConfig(**{"beta": 0.0, "is_mode": "none", **kwargs})
+
+
 def run(config, lp=None, **overrides):
     lp = (LP if lp is None else lp).clone().requires_grad_(True)
     kwargs = dict(
@@ -60,7 +65,7 @@ def run(config, lp=None, **overrides):
     ],
 )
 def test_aggregations_on_policy(aggregation, num_tokens, expected):
-    loss, grad, _ = run(LossConfig(aggregation=aggregation), num_tokens=num_tokens)
+    loss, grad, _ = run(cfg(aggregation=aggregation), num_tokens=num_tokens)
     assert loss == pytest.approx(expected)
     assert grad[5] == 0.0  # padding
 
@@ -77,19 +82,19 @@ def test_clip_clip_higher_and_dual_clip():
     #   A=2,  r=1.5: max(-3, -2.4) = -2.4 (clipped)    A=2,  r=0.5: max(-1, -1.6) = -1
     #   A=2,  r=1:   -2                                 A=-1, r=1.5: max(1.5, 1.2) = 1.5
     #   A=-1, r=0.5: max(0.5, 0.8) = 0.8 (clipped)      sum -3.1, / 5 = -0.62
-    loss, grad, m = run(LossConfig(), old_logprobs=old)
+    loss, grad, m = run(cfg(), old_logprobs=old)
     assert loss == pytest.approx(-0.62)
     # d/dlp of -A r is -A r on unclipped tokens, 0 on clipped: [0, -1, -2, 1.5, 0] / 5
     assert grad[:5] == pytest.approx([0.0, -0.2, -0.4, 0.3, 0.0])
     assert m["clip/tokens_clipped"].item() == 2
     assert m["ratio/max"].item() == pytest.approx(1.5)
     # epsilon_high 0.6: token 0 is max(-3, -2 * 1.5) = -3, unclipped: sum -3.7, / 5 = -0.74
-    loss, _, m = run(LossConfig(epsilon_high=0.6), old_logprobs=old)
+    loss, _, m = run(cfg(epsilon_high=0.6), old_logprobs=old)
     assert loss == pytest.approx(-0.74)
     assert m["clip/tokens_clipped"].item() == 1
     # dual clip 1.2: for A=-1 the loss is capped at -A * 1.2 = 1.2: token 3 1.5 -> 1.2.
     # sum -2.4 - 1 - 2 + 1.2 + 0.8 = -3.4, / 5 = -0.68
-    loss, grad, m = run(LossConfig(dual_clip=1.2), old_logprobs=old)
+    loss, grad, m = run(cfg(dual_clip=1.2), old_logprobs=old)
     assert loss == pytest.approx(-0.68)
     assert grad[3] == 0.0 and m["clip/tokens_dual_clipped"].item() == 1
 
@@ -105,7 +110,7 @@ def test_clip_clip_higher_and_dual_clip():
 def test_kl_to_reference(estimator, kl_sum):
     # d = log(pi_ref / pi) = [ln2, 0, 0, -ln2, 0]
     ref = LP + torch.tensor([[LN2, 0, 0, -LN2, 0, 0]])
-    loss, _, m = run(LossConfig(beta=0.1, kl_estimator=estimator), ref_logprobs=ref)
+    loss, _, m = run(cfg(beta=0.1, kl_estimator=estimator), ref_logprobs=ref)
     # policy -0.8 (on-policy) + 0.1 * kl_sum / 5
     assert loss == pytest.approx(-0.8 + 0.1 * kl_sum / 5, abs=1e-6)
     assert m["kl/ref_sum"].item() == pytest.approx(kl_sum, abs=1e-6)
@@ -135,7 +140,7 @@ R = math.sqrt(2)
     ],
 )
 def test_is_modes(mode, threshold, weights, truncated, masked):
-    loss, grad, m = run(LossConfig(is_mode=mode, is_threshold=threshold))
+    loss, grad, m = run(cfg(is_mode=mode, is_threshold=threshold))
     expected = (sum(w * -2 for w in weights) + 2) / 5
     assert loss == pytest.approx(expected, abs=1e-6)
     # On-policy, d/dlp of w * -A * r is w * -A: weights are constants (no gradient through them).
@@ -149,7 +154,7 @@ def test_is_modes(mode, threshold, weights, truncated, masked):
 
 
 def test_is_diagnostics_and_finalize():
-    _, _, m = run(LossConfig(is_mode="token_truncate"))
+    _, _, m = run(cfg(is_mode="token_truncate"))
     out = finalize_metrics(m)
     # log-ratios of the 3 compared tokens: [ln4, -ln2, 0]
     assert out["is/sample_fraction"] == 0.5 and out["is/complete_fraction"] == 0.5
@@ -164,7 +169,7 @@ def test_is_diagnostics_and_finalize():
 
 
 def test_no_is_mode_corrects_nothing_but_still_diagnoses():
-    loss, _, m = run(LossConfig())
+    loss, _, m = run(cfg())
     assert loss == pytest.approx(-0.8)
     assert m["is/samples_corrected"].item() == 0 and m["is/tokens_corrected"].item() == 0
     assert m["is/tokens_compared"].item() == 3
@@ -174,7 +179,7 @@ def test_bypass_uses_rollout_as_old_policy():
     # Sample 0: ratio pi / pi_rollout = [4, 0.5, 1], clipped PPO with A=2:
     #   max(-8, -2.4) = -2.4, max(-1, -1.6) = -1, -2; sample 1 on-policy: 1, 1.
     #   (-2.4 - 1 - 2 + 1 + 1) / 5 = -0.68
-    loss, grad, m = run(LossConfig(bypass=True))
+    loss, grad, m = run(cfg(bypass=True))
     assert loss == pytest.approx(-0.68, abs=1e-6)
     assert grad[:5] == pytest.approx([0.0, -0.2, -0.4, 0.2, 0.2], abs=1e-6)
     assert m["is/samples_corrected"].item() == 1
@@ -188,7 +193,7 @@ def test_nonfinite_logprobs_are_masked_and_counted():
     lp[0, 5] = math.nan  # padding: not a loss token, not counted
     old = LP.clone()
     old[0, 4] = math.inf
-    loss, grad, m = run(LossConfig(is_mode="token_truncate"), lp=lp, old_logprobs=old)
+    loss, grad, m = run(cfg(is_mode="token_truncate"), lp=lp, old_logprobs=old)
     # Left: tokens 0 (w 2) and 2 (w 1) of sample 0: (-4 - 2) / 5 = -1.2
     assert loss == pytest.approx(-1.2)
     assert all(math.isfinite(g) for g in grad)
@@ -199,11 +204,11 @@ def test_nonfinite_logprobs_are_masked_and_counted():
 
 def test_completeness_gate_is_per_sample():
     # Sample 0's gradient must not depend on whether sample 1 has complete logprobs.
-    cfg = LossConfig(is_mode="sequence_truncate")
+    config = cfg(is_mode="sequence_truncate")
     rollout = ROLLOUT.clone()
     rollout[0, 3:5] = LP[0, 3:5] - 0.3
-    _, g_mixed, _ = run(cfg, rollout_logprobs=rollout)
-    _, g_both, m = run(cfg, rollout_logprobs=rollout, logprobs_complete=torch.tensor([True, True]))
+    _, g_mixed, _ = run(config, rollout_logprobs=rollout)
+    _, g_both, m = run(config, rollout_logprobs=rollout, logprobs_complete=torch.tensor([True, True]))
     assert g_mixed[:3] == pytest.approx(g_both[:3])
     assert g_mixed[3:5] != pytest.approx(g_both[3:5])  # sample 1 is corrected only when complete
     assert m["is/samples_corrected"].item() == 2
@@ -217,7 +222,7 @@ def test_completeness_gate_is_per_sample():
         ({"dual_clip": 1.0}, "dual_clip"),
         ({"beta": -1.0}, "beta"),
         ({"kl_estimator": "k4"}, "kl_estimator"),
-        ({"aggregation": "token-sum"}, "aggregation"),
+        ({"aggregation": "token-max"}, "aggregation"),
         ({"is_mode": "segment_mask"}, "is_mode"),
         ({"is_threshold": 0.0}, "is_threshold"),
         ({"bypass": True, "is_mode": "token_mask"}, "is_mode"),
@@ -234,14 +239,14 @@ def test_config_validation(kwargs, name):
 @pytest.mark.parametrize(
     "config, overrides, name",
     [
-        (LossConfig(), {"advantages": ADV[:, :5]}, "advantages"),
-        (LossConfig(), {"sample_ids": SAMPLE[0]}, "sample_ids"),
-        (LossConfig(), {"old_logprobs": LP[:, :3]}, "old_logprobs"),
-        (LossConfig(), {"logprobs_complete": COMPLETE.float()}, "logprobs_complete"),
-        (LossConfig(), {"num_tokens": 0}, "num_tokens"),
-        (LossConfig(), {"num_sequences": 0}, "num_sequences"),
-        (LossConfig(beta=0.1), {}, "ref_logprobs"),
-        (LossConfig(is_mode="turn_mask"), {"segment_ids": None}, "segment_ids"),
+        (cfg(), {"advantages": ADV[:, :5]}, "advantages"),
+        (cfg(), {"sample_ids": SAMPLE[0]}, "sample_ids"),
+        (cfg(), {"old_logprobs": LP[:, :3]}, "old_logprobs"),
+        (cfg(), {"logprobs_complete": COMPLETE.float()}, "logprobs_complete"),
+        (cfg(), {"num_tokens": 0}, "num_tokens"),
+        (cfg(), {"num_sequences": 0}, "num_sequences"),
+        (cfg(beta=0.1), {}, "ref_logprobs"),
+        (cfg(is_mode="turn_mask"), {"segment_ids": None}, "segment_ids"),
     ],
 )
 def test_bad_loss_input(config, overrides, name):
@@ -251,14 +256,14 @@ def test_bad_loss_input(config, overrides, name):
 
 def test_empty_logprobs_and_unknown_is_mode():
     with pytest.raises(ValueError, match="logprobs"):
-        run(LossConfig(), lp=torch.zeros(1, 0), loss_mask=MASK[:, :0])
+        run(cfg(), lp=torch.zeros(1, 0), loss_mask=MASK[:, :0])
     with pytest.raises(ValueError, match="mode"):
         importance_weights(torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool), mode="token", threshold=2.0)
 
 
 def test_merge_metrics_sums_and_maxes():
-    _, _, a = run(LossConfig(is_mode="token_truncate"))
-    _, _, b = run(LossConfig(is_mode="token_truncate", is_threshold=5.0))
+    _, _, a = run(cfg(is_mode="token_truncate"))
+    _, _, b = run(cfg(is_mode="token_truncate", is_threshold=5.0))
     merged = merge_metrics(a, b)
     assert merged["tokens"].item() == 10
     assert merged["is/weight/max"].item() == pytest.approx(4.0)  # max(2, 4), not 6
@@ -308,8 +313,8 @@ def _model_loss_and_grads(model, batch, config):
 @pytest.mark.parametrize(
     "config",
     [
-        LossConfig(is_mode="turn_truncate", is_threshold=1.5, beta=0.1, aggregation="seq-mean-token-mean"),
-        LossConfig(is_mode="token_mask", kl_estimator="k2", beta=0.05, epsilon_high=0.28),
+        cfg(is_mode="turn_truncate", is_threshold=1.5, beta=0.1, aggregation="seq-mean-token-mean"),
+        cfg(is_mode="token_mask", kl_estimator="k2", beta=0.05, epsilon_high=0.28),
     ],
 )
 def test_packed_and_padded_give_the_same_loss_and_gradients(tiny, config):
