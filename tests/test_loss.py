@@ -3,14 +3,18 @@ import math
 import pytest
 import torch
 
-from interlens_mcore.batch import block_causal_mask, build_batch
+from interlens_mcore.batch import TrainingBatch, block_causal_mask, build_batch
 from interlens_mcore.logprobs import token_logprobs
 from interlens_mcore.loss import (
     LossConfig,
     batch_loss,
+    denominators,
+    empty_metrics,
     finalize_metrics,
     grpo_loss,
     importance_weights,
+    is_weight_sums,
+    loss_token_mask,
     merge_metrics,
 )
 from interlens_mcore.trajectory import Trajectory, TurnSpan
@@ -34,6 +38,39 @@ COMPLETE = torch.tensor([True, False])
 def cfg(**kwargs):
     """LossConfig with the library's KL and IS turned off unless a test asks for them."""
     return LossConfig(**{"beta": 0.0, "is_mode": "none", **kwargs})
+
+
+def fixture_batch(rollout=ROLLOUT, complete=COMPLETE, advantages=ADV) -> TrainingBatch:
+    """The row above as a packed `TrainingBatch` (for the functions that take one)."""
+    ids = torch.zeros(1, 6, dtype=torch.long)
+    return TrainingBatch(
+        layout="packed",
+        input_ids=ids,
+        position_ids=torch.tensor([[0, 1, 2, 0, 1, 0]]),
+        targets=ids,
+        loss_mask=MASK,
+        rollout_logprobs=rollout,
+        advantages=advantages,
+        segment_ids=SEGMENT,
+        sample_ids=SAMPLE,
+        logprobs_complete=complete,
+        seq_lens=torch.tensor([3, 2]),
+        cu_seqlens=torch.tensor([0, 3, 5], dtype=torch.int32),
+        num_segments=3,
+    )
+
+
+def prepass_run(config, batch, lp=None, **kwargs):
+    """The trainer's order: mask and denominators from a no-grad pass, then the loss with them."""
+    lp = (LP if lp is None else lp).clone()
+    mask = loss_token_mask(batch, lp, config)
+    num_tokens, num_sequences = denominators(mask, batch).tolist()
+    lp.requires_grad_(True)
+    loss, metrics = batch_loss(
+        lp, batch, config, token_mask=mask, num_tokens=num_tokens, num_sequences=num_sequences, **kwargs
+    )
+    loss.backward()
+    return loss.item(), lp.grad[0].tolist(), metrics, (num_tokens, num_sequences)
 
 
 def run(config, lp=None, **overrides):
@@ -332,3 +369,105 @@ def test_packed_and_padded_give_the_same_loss_and_gradients(tiny, config):
     assert m_p["is/samples_corrected"].item() == m_d["is/samples_corrected"].item() == 2
     for key in m_p:
         torch.testing.assert_close(m_p[key], m_d[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_dropped_token_leaves_both_denominators(layout):
+    # One sample of 3 tokens whose last 2 train (A = 1); its second loss token has a NaN
+    # logprob. On-policy each kept token's loss is -A * 1 = -1. Counting the NaN token, as the
+    # loss-mask denominators do, gives -1 / 2 = -0.5; the pre-pass counts 1 token and 1
+    # sequence, so the loss is -1 / 1 = -1 under token-mean and seq-mean-token-sum alike.
+    batch = build_batch(
+        [Trajectory(token_ids=[5, 6, 7], loss_mask=[0, 1, 1], rollout_logprobs=None)], [1.0], layout=layout
+    )
+    lp = torch.full(batch.loss_mask.shape, -1.0)
+    lp[batch.loss_mask.nonzero()[1].unbind()] = math.nan  # the second loss token
+    config = cfg()
+    mask = loss_token_mask(batch, lp, config)
+    assert denominators(mask, batch).tolist() == [1.0, 1.0]
+    assert denominators(batch.loss_mask, batch).tolist() == [2.0, 1.0]  # what the trainer counts today
+    for aggregation in ("token-mean", "seq-mean-token-sum"):
+        c = cfg(aggregation=aggregation)
+        loss, m = batch_loss(lp, batch, c, token_mask=mask, num_tokens=1, num_sequences=1)
+        assert loss.item() == pytest.approx(-1.0)
+        assert m["nonfinite_masked"].item() == 1 and m["tokens_kept"].item() == 1
+        old, _ = batch_loss(lp, batch, c, num_tokens=2, num_sequences=1)
+        assert old.item() == pytest.approx(-0.5 if aggregation == "token-mean" else -1.0)
+
+
+def test_token_mask_must_lie_within_the_loss_mask():
+    batch = fixture_batch()
+    outside = torch.ones_like(MASK)  # position 5 is padding
+    with pytest.raises(ValueError, match="token_mask"):
+        batch_loss(LP, batch, cfg(), token_mask=outside, num_tokens=5, num_sequences=2)
+    with pytest.raises(ValueError, match="token_mask"):
+        batch_loss(LP, batch, cfg(), token_mask=MASK.float(), num_tokens=5, num_sequences=2)
+
+
+def test_without_token_mask_the_loss_is_unchanged_by_the_prepass_functions():
+    # No dropped token: the pre-pass mask is the loss mask and the denominators are the
+    # trainer's (5 tokens, 2 samples), so both paths give the same loss and metrics.
+    config = cfg(is_mode="token_truncate")
+    loss, grad, m, counts = prepass_run(config, fixture_batch())
+    ref_loss, ref_grad, ref_m = run(config)
+    assert counts == (5.0, 2.0)
+    assert loss == pytest.approx(ref_loss) and grad == pytest.approx(ref_grad)
+    for key in m:
+        torch.testing.assert_close(m[key], ref_m[key], msg=key)
+
+
+def test_config_defaults_are_the_command_line_defaults():
+    c = LossConfig()
+    assert (c.epsilon, c.epsilon_high, c.dual_clip, c.beta) == (0.2, None, None, 0.005)
+    assert (c.kl_estimator, c.aggregation, c.is_mode, c.is_threshold, c.bypass) == (
+        "k3",
+        "token-mean",
+        "token_truncate",
+        2.0,
+        False,
+    )
+    # every option that is new is off by default
+    assert (c.policy_loss, c.rejection, c.is_sequence_weight) == ("vanilla", "none", "geometric")
+    assert c.kl_clamp is c.is_threshold_low is c.off_policy_sequence_mask_delta is c.loss_scale_factor is None
+    assert not (c.kl_is_weighted or c.is_batch_normalize or c.rejects)
+    assert LossConfig(is_mode=None).is_mode == "none"  # Python's off is the command line's
+
+
+def test_command_line_is_generated_from_the_config():
+    from dataclasses import fields
+
+    from transformers import HfArgumentParser
+
+    assert all(f.metadata.get("help") for f in fields(LossConfig))
+    parser = HfArgumentParser(LossConfig)
+    (default,) = parser.parse_args_into_dataclasses([])
+    assert default == LossConfig()
+    argv = "--policy-loss gspo --kl-estimator k3+ --kl-clamp 10 --kl-is-weighted --is-mode none "
+    argv += "--aggregation seq-mean-token-sum-norm --loss-scale-factor 64 --rejection sequence "
+    argv += "--rejection-threshold 2 --off-policy-sequence-mask-delta 0.5 --epsilon-high 0.28"
+    (c,) = parser.parse_args_into_dataclasses(argv.split())
+    assert c == LossConfig(
+        policy_loss="gspo",
+        kl_estimator="k3+",
+        kl_clamp=10.0,
+        kl_is_weighted=True,
+        is_mode="none",
+        aggregation="seq-mean-token-sum-norm",
+        loss_scale_factor=64.0,
+        rejection="sequence",
+        rejection_threshold=2.0,
+        off_policy_sequence_mask_delta=0.5,
+        epsilon_high=0.28,
+    )
+    with pytest.raises(SystemExit):  # a mode outside its Literal is refused by the parser itself
+        parser.parse_args_into_dataclasses(["--rejection", "tokens"])
+
+
+def test_metric_keys_do_not_depend_on_the_config():
+    keys = set(empty_metrics())
+    for config in (cfg(), cfg(policy_loss="cispo", is_mode="turn_mask"), cfg(rejection="token", rejection_threshold=2)):
+        _, _, m = run(config)
+        assert set(m) == keys
+    assert empty_metrics()["is/weight/min"].item() == math.inf  # the neutral value of a min
+    out = finalize_metrics(empty_metrics())
+    assert all(math.isfinite(v) for v in out.values()) and out["is/weight/min"] == 0.0
