@@ -13,7 +13,6 @@ from interlens_mcore.loss import (
     finalize_metrics,
     grpo_loss,
     importance_weights,
-    is_weight_sums,
     loss_token_mask,
     merge_metrics,
 )
@@ -465,7 +464,12 @@ def test_command_line_is_generated_from_the_config():
 
 def test_metric_keys_do_not_depend_on_the_config():
     keys = set(empty_metrics())
-    for config in (cfg(), cfg(policy_loss="cispo", is_mode="turn_mask"), cfg(rejection="token", rejection_threshold=2)):
+    configs = [
+        cfg(),
+        cfg(policy_loss="cispo", is_mode="turn_mask"),
+        cfg(rejection="token", rejection_threshold=2),
+    ]
+    for config in configs:
         _, _, m = run(config)
         assert set(m) == keys
     assert empty_metrics()["is/weight/min"].item() == math.inf  # the neutral value of a min
