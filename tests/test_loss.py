@@ -13,6 +13,7 @@ from interlens_mcore.loss import (
     finalize_metrics,
     grpo_loss,
     importance_weights,
+    is_weight_sums,
     loss_token_mask,
     merge_metrics,
 )
@@ -307,14 +308,16 @@ def test_merge_metrics_sums_and_maxes():
         merge_metrics(a, {"tokens": a["tokens"]})
 
 
-def _trajectories(vocab):
+def _trajectories(vocab, centre=None):
+    """Three samples; rollout logprobs uniform in [-3, 0], or within 0.75 of `centre`."""
     g = torch.Generator().manual_seed(3)
 
     def ids(n):
         return torch.randint(0, vocab, (n,), generator=g).tolist()
 
     def lps(n):
-        return (-torch.rand(n, generator=g) * 3).tolist()
+        u = torch.rand(n, generator=g)
+        return (-u * 3 if centre is None else centre + (u - 0.5) * 1.5).tolist()
 
     def span(s, e):
         return TurnSpan(start=s, end=e, speaker="policy", trained=True)
@@ -475,3 +478,67 @@ def test_metric_keys_do_not_depend_on_the_config():
     assert empty_metrics()["is/weight/min"].item() == math.inf  # the neutral value of a min
     out = finalize_metrics(empty_metrics())
     assert all(math.isfinite(v) for v in out.values()) and out["is/weight/min"] == 0.0
+
+
+def _prepass_loss_and_grads(model, batch, config):
+    """The trainer's order: a no-grad pass decides the mask, denominators and IS weight mean."""
+    model.zero_grad()
+    if batch.layout == "packed":
+        attn = block_causal_mask(batch.sample_ids)
+    else:
+        attn = batch.sample_ids >= 0
+    logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=attn).logits
+    lp = token_logprobs(logits, batch.targets, temperature=0.9)
+    offset = 0.3 * torch.sin(batch.targets.float())  # fixed per target id, so layout-independent
+    old, ref = lp.detach() - offset, lp.detach() + 0.2 * torch.cos(batch.targets.float())
+    mask = loss_token_mask(batch, old, config, ref_logprobs=ref)
+    num_tokens, num_sequences = denominators(mask, batch).tolist()
+    kwargs = {}
+    if config.is_batch_normalize:
+        total, count = is_weight_sums(batch, old, mask, config).tolist()
+        kwargs["is_weight_mean"] = total / count
+    loss, metrics = batch_loss(
+        lp, batch, config, token_mask=mask, old_logprobs=old, ref_logprobs=ref,
+        num_tokens=num_tokens, num_sequences=num_sequences, **kwargs,
+    )  # fmt: skip
+    loss.backward()
+    return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}, metrics
+
+
+NEW_MODES = [
+    LossConfig(policy_loss="gspo", aggregation="seq-mean-token-mean", beta=0.1),
+    LossConfig(policy_loss="cispo", epsilon_high=0.28, beta=0.1, kl_estimator="abs"),
+    LossConfig(aggregation="token-sum", beta=0.1, kl_estimator="k1+"),
+    LossConfig(aggregation="seq-mean-token-sum-norm", loss_scale_factor=16.0, beta=0.1, kl_estimator="k3+"),
+    LossConfig(is_mode="token_mask", is_threshold=1.5, is_threshold_low=0.7, beta=0.1, kl_clamp=0.01),
+    LossConfig(is_mode="sequence_truncate", is_threshold=1.2, is_sequence_weight="product", beta=0.0),
+    LossConfig(
+        is_mode="turn_truncate", is_sequence_weight="product", is_batch_normalize=True, kl_is_weighted=True
+    ),
+    LossConfig(is_mode="none", beta=0.0, rejection="token", rejection_threshold=1.5),
+    LossConfig(is_mode="none", beta=0.0, rejection="sequence", rejection_threshold=1.1),
+    LossConfig(rejection="sequence_k1", rejection_threshold=0.1, aggregation="seq-mean-token-mean"),
+    LossConfig(rejection="sequence_k3", rejection_threshold=0.15, aggregation="seq-mean-token-sum"),
+    LossConfig(off_policy_sequence_mask_delta=0.0, policy_loss="gspo"),
+]
+
+
+@pytest.mark.parametrize("config", NEW_MODES, ids=range(len(NEW_MODES)))
+def test_packed_and_padded_agree_for_every_new_mode(tiny, config):
+    model, _ = tiny
+    # rollout logprobs near the tiny model's (about -6.3), so ratios sit around 1 and the
+    # thresholds above cut some tokens, not all
+    trajs = _trajectories(model.config.vocab_size, centre=-6.3)
+    adv = [1.0, -0.5, -0.75]
+    packed = build_batch(trajs, adv, layout="packed", pad_to_multiple=8)
+    padded = build_batch(trajs, adv, layout="padded", pad_to_multiple=8)
+    loss_p, grads_p, m_p = _prepass_loss_and_grads(model, packed, config)
+    loss_d, grads_d, m_d = _prepass_loss_and_grads(model, padded, config)
+    assert loss_p.abs() > 0
+    torch.testing.assert_close(loss_p, loss_d, rtol=1e-5, atol=1e-6)
+    for name in grads_p:
+        torch.testing.assert_close(grads_p[name], grads_d[name], rtol=1e-4, atol=1e-6, msg=name)
+    for key in m_p:
+        torch.testing.assert_close(m_p[key], m_d[key], rtol=1e-4, atol=1e-5, msg=key)
+    if config.rejects:  # the rule acted, and not on every sample it could measure
+        assert 0 < m_p["is/tokens_rejected"].item() < m_p["is/tokens_compared"].item()
