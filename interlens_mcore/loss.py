@@ -7,351 +7,33 @@ losses gives the batch loss. Metrics are raw sums (maxima for keys ending in `/m
 `/min`) to be reduced once across micro-batches and ranks; `finalize_metrics` turns them into
 the logged figures.
 
-The pieces live beside this file: surrogates in `policy_loss.py`, IS weights and rejection in
-`is_weights.py`, the KL estimators in `kl.py`, the aggregation modes in `aggregation.py`, the
-off-policy diagnostics in `diagnostics.py`.
-
-Denominators that exclude dropped tokens. A loss token is dropped for a non-finite logprob or
-removed by a rejection rule (`rejection`, `off_policy_sequence_mask_delta`). For it to leave
-both global denominators, the caller decides the mask before the backward pass:
-
-    masks = [loss_token_mask(b, old_lp, config, ref_logprobs=ref) for b, old_lp, ref in ...]
-    counts = sum(denominators(m, b) for m, b in zip(masks, batches))  # all-reduce over DP
-    loss, metrics = batch_loss(lp, b, config, token_mask=m, num_tokens=..., num_sequences=...)
+This file composes the pieces beside it: the options (`loss_config.py`), the surrogates and
+their registry (`policy_loss.py`), IS weights and rejection (`is_weights.py`), the KL
+estimators (`kl.py`), the aggregation modes (`aggregation.py`), the off-policy diagnostics
+(`diagnostics.py`), and the mask of kept tokens that the denominators count (`loss_mask.py`,
+whose docstring shows the order a trainer calls things in).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import torch
 
 from interlens_mcore import diagnostics
-from interlens_mcore.aggregation import AGGREGATIONS, Aggregation, aggregate, unit_sums
+from interlens_mcore.aggregation import aggregate, unit_sums
 from interlens_mcore.batch import TrainingBatch
-from interlens_mcore.is_weights import (
-    IS_MODES,
-    REJECTIONS,
-    SEQUENCE_WEIGHTS,
-    IsMode,
-    Rejection,
-    SequenceWeight,
-    importance_weights,
-    off_policy_sequence_mask,
-    rejection_mask,
+from interlens_mcore.kl import kl_penalty
+from interlens_mcore.loss_config import LossConfig
+from interlens_mcore.loss_mask import (
+    clamped_log_ratio,
+    rejected_tokens,
+    rollout_weights,
+    token_complete,
+    token_finite,
 )
-from interlens_mcore.kl import KL_ESTIMATORS, KLEstimator, kl_penalty
 from interlens_mcore.policy_loss import POLICY_LOSSES, PolicyInputs
-
-__all__ = [
-    "AGGREGATIONS",
-    "IS_MODES",
-    "KL_ESTIMATORS",
-    "LossConfig",
-    "batch_loss",
-    "denominators",
-    "empty_metrics",
-    "finalize_metrics",
-    "grpo_loss",
-    "importance_weights",
-    "is_weight_sums",
-    "kl_penalty",
-    "loss_token_mask",
-    "merge_metrics",
-]
-
-
-@dataclass(frozen=True, kw_only=True)
-class LossConfig:
-    """Knobs of `grpo_loss`; the command line is generated from these fields."""
-
-    epsilon: float = field(default=0.2, metadata={"help": "ratio clipped to [1 - epsilon, 1 + epsilon_high]"})
-    epsilon_high: float | None = field(
-        default=None, metadata={"help": "upper clip range (clip-higher, DAPO); None: epsilon"}
-    )
-    dual_clip: float | None = field(
-        default=None, metadata={"help": "for A < 0, cap the loss at -A * dual_clip (> 1); None: off"}
-    )
-    policy_loss: str = field(
-        default="vanilla",
-        metadata={"help": "surrogate: vanilla (PPO clip), gspo (sequence ratio), cispo, or a registered one"},
-    )
-    beta: float = field(
-        default=0.005, metadata={"help": "coefficient of KL(train || reference); 0: no reference model"}
-    )
-    kl_estimator: KLEstimator = field(
-        default="k3", metadata={"help": "KL estimator; k1+ / k3+: k1 / k3 value with the k2 gradient"}
-    )
-    kl_clamp: float | None = field(
-        default=None, metadata={"help": "clamp each token's KL estimate to [-kl_clamp, kl_clamp]; None: off"}
-    )
-    kl_is_weighted: bool = field(
-        default=False, metadata={"help": "multiply the KL term by the rollout IS weights too"}
-    )
-    aggregation: Aggregation = field(
-        default="token-mean", metadata={"help": "how per-token losses become the loss"}
-    )
-    loss_scale_factor: float | None = field(
-        default=None,
-        metadata={"help": "constant length L of seq-mean-token-sum-norm: sum / (sequences * L) (Dr. GRPO)"},
-    )
-    is_mode: IsMode | None = field(
-        default="token_truncate", metadata={"help": "rollout IS correction; none: diagnostics only"}
-    )
-    is_threshold: float = field(
-        default=2.0, metadata={"help": "IS weights truncated at it, or masked above it"}
-    )
-    is_threshold_low: float | None = field(
-        default=None, metadata={"help": "lower bound of the IS weights (two-sided); None: none"}
-    )
-    is_sequence_weight: SequenceWeight = field(
-        default="geometric",
-        metadata={"help": "sequence / turn IS weight: geometric mean or product of the token ratios"},
-    )
-    is_batch_normalize: bool = field(
-        default=False, metadata={"help": "rescale the IS weights to mean 1 over the batch"}
-    )
-    rejection: Rejection = field(
-        default="none",
-        metadata={
-            "help": "reject off-policy tokens (out of loss and denominators): token / sequence ratio, KL"
-        },
-    )
-    rejection_threshold: float | None = field(
-        default=None,
-        metadata={"help": "upper bound of the rejection rule (a ratio, or nats for sequence_k1 / _k3)"},
-    )
-    rejection_threshold_low: float | None = field(
-        default=None,
-        metadata={"help": "lower ratio bound of the token / sequence rules; None: 1 / rejection_threshold"},
-    )
-    off_policy_sequence_mask_delta: float | None = field(
-        default=None,
-        metadata={
-            "help": "drop negative-advantage tokens of samples whose mean log(pi_rollout / pi) > delta"
-        },
-    )
-    bypass: bool = field(
-        default=False,
-        metadata={"help": "rollout logprobs as the old policy (the PPO ratio is then the IS ratio)"},
-    )
-    log_ratio_clamp: float = field(
-        default=20.0, metadata={"help": "|log ratio| cap before exp: e^20 is large but finite in fp32"}
-    )
-
-    def __post_init__(self) -> None:
-        if self.is_mode is None:  # the 'off' of Python callers; the command line says 'none'
-            object.__setattr__(self, "is_mode", "none")
-        self._check_clip()
-        self._check_kl()
-        self._check_is()
-        self._check_rejection()
-
-    def _check_clip(self) -> None:
-        if not 0 < self.epsilon < 1:
-            raise ValueError(f"LossConfig.epsilon must be in (0, 1), got {self.epsilon!r}")
-        if self.epsilon_high is not None and not self.epsilon_high > 0:
-            raise ValueError(f"LossConfig.epsilon_high must be > 0 or None, got {self.epsilon_high!r}")
-        if self.dual_clip is not None and not self.dual_clip > 1:
-            raise ValueError(f"LossConfig.dual_clip must be > 1 or None, got {self.dual_clip!r}")
-        if self.policy_loss not in POLICY_LOSSES:
-            raise ValueError(
-                f"LossConfig.policy_loss must be one of {tuple(POLICY_LOSSES)} (register_policy_loss "
-                f"adds one), got {self.policy_loss!r}"
-            )
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(
-                f"LossConfig.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}"
-            )
-        if self.loss_scale_factor is not None and not self.loss_scale_factor > 0:
-            raise ValueError(
-                f"LossConfig.loss_scale_factor must be > 0 or None, got {self.loss_scale_factor!r}"
-            )
-        if self.aggregation == "seq-mean-token-sum-norm" and self.loss_scale_factor is None:
-            raise ValueError(
-                "LossConfig.loss_scale_factor must be set for aggregation 'seq-mean-token-sum-norm' "
-                "(a constant such as the maximum completion length), got None"
-            )
-        if not self.log_ratio_clamp > 0:
-            raise ValueError(f"LossConfig.log_ratio_clamp must be > 0, got {self.log_ratio_clamp!r}")
-
-    def _check_kl(self) -> None:
-        if not self.beta >= 0:
-            raise ValueError(f"LossConfig.beta must be >= 0, got {self.beta!r}")
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(
-                f"LossConfig.kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}"
-            )
-        if self.kl_clamp is not None and not self.kl_clamp > 0:
-            raise ValueError(f"LossConfig.kl_clamp must be > 0 or None, got {self.kl_clamp!r}")
-
-    def _check_is(self) -> None:
-        if self.is_mode not in IS_MODES:
-            raise ValueError(f"LossConfig.is_mode must be one of {IS_MODES} or None, got {self.is_mode!r}")
-        if not self.is_threshold > 0:
-            raise ValueError(f"LossConfig.is_threshold must be > 0, got {self.is_threshold!r}")
-        low = self.is_threshold_low
-        if low is not None and not 0 < low < self.is_threshold:
-            raise ValueError(
-                f"LossConfig.is_threshold_low must be in (0, is_threshold={self.is_threshold}) or None, "
-                f"got {low!r}"
-            )
-        if self.is_sequence_weight not in SEQUENCE_WEIGHTS:
-            raise ValueError(
-                f"LossConfig.is_sequence_weight must be one of {SEQUENCE_WEIGHTS}, "
-                f"got {self.is_sequence_weight!r}"
-            )
-        if self.is_batch_normalize and self.is_mode == "none":
-            raise ValueError("LossConfig.is_batch_normalize must be False when is_mode is 'none', got True")
-        if self.bypass and self.is_mode != "none":
-            raise ValueError(
-                f"LossConfig.is_mode must be 'none' when bypass=True, got {self.is_mode!r}: the rollout "
-                "policy is then the old policy, so the clipped PPO ratio already is the IS correction"
-            )
-
-    def _check_rejection(self) -> None:
-        if self.rejection not in REJECTIONS:
-            raise ValueError(f"LossConfig.rejection must be one of {REJECTIONS}, got {self.rejection!r}")
-        hi, low = self.rejection_threshold, self.rejection_threshold_low
-        if self.rejection == "none":
-            if hi is not None or low is not None:
-                raise ValueError(
-                    "LossConfig.rejection_threshold must be None when rejection is 'none', "
-                    f"got rejection_threshold={hi!r}, rejection_threshold_low={low!r}"
-                )
-        elif hi is None or not hi > 0:
-            raise ValueError(
-                f"LossConfig.rejection_threshold must be > 0 for rejection {self.rejection!r}, got {hi!r}"
-            )
-        elif self.rejection in ("token", "sequence"):
-            lo = 1 / hi if low is None else low
-            if not 0 < lo < hi:
-                raise ValueError(
-                    f"LossConfig.rejection_threshold_low must be in (0, rejection_threshold={hi}) "
-                    f"(None: 1 / rejection_threshold), got {low!r}"
-                )
-        elif low is not None:
-            raise ValueError(
-                f"LossConfig.rejection_threshold_low must be None for rejection {self.rejection!r} "
-                f"(a one-sided KL bound), got {low!r}"
-            )
-        delta = self.off_policy_sequence_mask_delta
-        if delta is not None and not delta >= 0:
-            raise ValueError(f"LossConfig.off_policy_sequence_mask_delta must be >= 0 or None, got {delta!r}")
-
-    @property
-    def rejects(self) -> bool:
-        """Whether a rule removes tokens (so the denominators need `loss_token_mask`)."""
-        return self.rejection != "none" or self.off_policy_sequence_mask_delta is not None
-
-
-def _complete(logprobs_complete: torch.Tensor, sample_ids: torch.Tensor) -> torch.Tensor:
-    """[B, T] bool: the position's sample has usable rollout logprobs."""
-    return torch.where(sample_ids >= 0, logprobs_complete[sample_ids.clamp(min=0)], False)
-
-
-def _finite(logprobs, rollout_logprobs, complete, *extra) -> torch.Tensor:
-    """[B, T] bool: every logprob the loss reads at the position is finite.
-
-    Rollout logprobs of an incomplete sample are never read (they may be NaN placeholders).
-    """
-    finite = torch.isfinite(logprobs) & (torch.isfinite(rollout_logprobs) | ~complete)
-    for t in extra:
-        if t is not None:
-            finite &= torch.isfinite(t)
-    return finite
-
-
-def _rejected(diff_c, measured, sample_ids, advantages, config: LossConfig) -> torch.Tensor:
-    """[B, T] bool: measured tokens that the rejection rules remove."""
-    out = torch.zeros_like(measured)
-    if config.rejection != "none":
-        out |= rejection_mask(
-            diff_c,
-            measured,
-            sample_ids,
-            rule=config.rejection,
-            threshold=config.rejection_threshold,
-            threshold_low=config.rejection_threshold_low,
-        )
-    if config.off_policy_sequence_mask_delta is not None:
-        out |= off_policy_sequence_mask(
-            diff_c, measured, sample_ids, advantages, config.off_policy_sequence_mask_delta
-        )
-    return out
-
-
-def _log_ratio(train, rollout, where, clamp) -> torch.Tensor:
-    """[B, T] log pi_train - log pi_rollout, clamped, 0 off `where` (no gradient)."""
-    return torch.where(where, train.detach().float() - rollout.float(), 0.0).clamp(-clamp, clamp)
-
-
-def _weights(diff_c, corrected, sample_ids, segment_ids, config: LossConfig):
-    groups = sample_ids if config.is_mode.startswith("sequence") else segment_ids
-    return importance_weights(
-        diff_c,
-        corrected,
-        mode=config.is_mode,
-        threshold=config.is_threshold,
-        group_ids=groups,
-        threshold_low=config.is_threshold_low,
-        sequence_weight=config.is_sequence_weight,
-        clamp=config.log_ratio_clamp,
-    )
-
-
-def loss_token_mask(
-    batch: TrainingBatch,
-    logprobs: torch.Tensor,
-    config: LossConfig,
-    *,
-    ref_logprobs: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """[B, T] bool: the loss tokens that stay in the loss (and in the denominators).
-
-    `logprobs` [B, T]: the old policy's logprobs of the targets (a no-grad forward before the
-    update; with one update per rollout these are the logprobs the loss will see). A loss token
-    leaves when a logprob it needs is non-finite or a rejection rule removes it. Pass the result
-    to `denominators` and, for the same micro-batch, to `batch_loss(..., token_mask=)`.
-    """
-    _check(
-        logprobs, {"ref_logprobs": ref_logprobs, "loss_mask": batch.loss_mask}, batch.logprobs_complete, 1, 1
-    )
-    mask = batch.loss_mask.bool()
-    complete = _complete(batch.logprobs_complete, batch.sample_ids)
-    finite = _finite(logprobs, batch.rollout_logprobs, complete, ref_logprobs)
-    measured = mask & finite & complete
-    diff_c = _log_ratio(logprobs, batch.rollout_logprobs, measured, config.log_ratio_clamp)
-    return mask & finite & ~_rejected(diff_c, measured, batch.sample_ids, batch.advantages, config)
-
-
-def denominators(mask: torch.Tensor, batch: TrainingBatch) -> torch.Tensor:
-    """float64 [2]: (loss tokens, samples with at least one) under `mask` [B, T]; sum, then all-reduce."""
-    if mask.shape != batch.loss_mask.shape or mask.dtype != torch.bool:
-        raise ValueError(
-            f"mask must be a [B, T] bool tensor like loss_mask {tuple(batch.loss_mask.shape)}, "
-            f"got {mask.dtype} {tuple(mask.shape)}"
-        )
-    per_sample = unit_sums(mask.double(), mask, batch.sample_ids, batch.num_samples)
-    return torch.stack([mask.sum().double(), (per_sample > 0).sum().double()])
-
-
-def is_weight_sums(
-    batch: TrainingBatch, logprobs: torch.Tensor, mask: torch.Tensor, config: LossConfig
-) -> torch.Tensor:
-    """float64 [2]: (sum of IS weights, corrected tokens) for `is_batch_normalize`.
-
-    Same inputs as `loss_token_mask` plus its `mask`. Sum over micro-batches, all-reduce, and
-    pass sum / count as `is_weight_mean` to `batch_loss`.
-    """
-    if config.is_mode == "none":
-        raise ValueError("LossConfig.is_mode must not be 'none' for is_weight_sums, got 'none'")
-    corrected = mask & _complete(batch.logprobs_complete, batch.sample_ids)
-    diff_c = _log_ratio(logprobs, batch.rollout_logprobs, corrected, config.log_ratio_clamp)
-    weights, _, _ = _weights(diff_c, corrected, batch.sample_ids, batch.segment_ids, config)
-    return torch.stack([torch.where(corrected, weights, 0.0).sum().double(), corrected.sum().double()])
 
 
 def _check(logprobs, named: Mapping[str, torch.Tensor | None], logprobs_complete, num_tokens, num_sequences):
@@ -443,13 +125,13 @@ def grpo_loss(
     c = config.log_ratio_clamp
     n = logprobs_complete.numel()
     mask = loss_mask.bool()
-    complete = _complete(logprobs_complete, sample_ids)  # [B, T]
-    finite = _finite(logprobs, rollout_logprobs, complete, old_logprobs, ref_logprobs)
+    complete = token_complete(logprobs_complete, sample_ids)  # [B, T]
+    finite = token_finite(logprobs, rollout_logprobs, complete, old_logprobs, ref_logprobs)
     train_raw = old_logprobs if old_logprobs is not None else logprobs.detach()
     measured = mask & finite & complete  # tokens whose train and rollout logprobs are both known
-    diff_c = _log_ratio(train_raw, rollout_logprobs, measured, c)
+    diff_c = clamped_log_ratio(train_raw, rollout_logprobs, measured, c)
     if token_mask is None:
-        rejected = _rejected(diff_c, measured, sample_ids, advantages, config)
+        rejected = rejected_tokens(diff_c, measured, sample_ids, advantages, config)
     else:
         rejected = mask & finite & ~token_mask
     valid = mask & finite & ~rejected
@@ -467,7 +149,7 @@ def grpo_loss(
     weights = torch.ones_like(lp)
     truncated = masked = torch.zeros_like(mask)
     if config.is_mode != "none":
-        weights, truncated, masked = _weights(
+        weights, truncated, masked = rollout_weights(
             torch.where(compared, diff_c, 0.0), compared, sample_ids, segment_ids, config
         )
         if config.is_batch_normalize:

@@ -4,19 +4,17 @@ import pytest
 import torch
 
 from interlens_mcore.batch import TrainingBatch, block_causal_mask, build_batch
+from interlens_mcore.is_weights import importance_weights
 from interlens_mcore.logprobs import token_logprobs
 from interlens_mcore.loss import (
     LossConfig,
     batch_loss,
-    denominators,
     empty_metrics,
     finalize_metrics,
     grpo_loss,
-    importance_weights,
-    is_weight_sums,
-    loss_token_mask,
     merge_metrics,
 )
+from interlens_mcore.loss_mask import denominators, is_weight_sums, loss_token_mask
 from interlens_mcore.trajectory import Trajectory, TurnSpan
 
 LN2 = math.log(2)
