@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -124,54 +125,44 @@ def grpo_loss(
 
     c = config.log_ratio_clamp
     n = logprobs_complete.numel()
-    mask = loss_mask.bool()
-    complete = token_complete(logprobs_complete, sample_ids)  # [B, T]
-    finite = token_finite(logprobs, rollout_logprobs, complete, old_logprobs, ref_logprobs)
     train_raw = old_logprobs if old_logprobs is not None else logprobs.detach()
-    measured = mask & finite & complete  # tokens whose train and rollout logprobs are both known
-    diff_c = clamped_log_ratio(train_raw, rollout_logprobs, measured, c)
-    if token_mask is None:
-        rejected = rejected_tokens(diff_c, measured, sample_ids, advantages, config)
-    else:
-        rejected = mask & finite & ~token_mask
-    valid = mask & finite & ~rejected
-    compared = valid & complete
+    t = _kept_tokens(
+        logprobs, train_raw, loss_mask, advantages, rollout_logprobs, logprobs_complete, sample_ids,
+        config, old_logprobs, ref_logprobs, token_mask,
+    )  # fmt: skip
 
-    def clean(t: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
-        return torch.where(where, t.float(), 0.0)
+    def clean(x: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+        return torch.where(where, x.float(), 0.0)
 
-    lp = clean(logprobs, valid)  # [B, T]; gradient flows only through valid tokens
-    train = clean(train_raw, valid).detach()
-    rollout = clean(rollout_logprobs, compared)
+    lp = clean(logprobs, t.valid)  # [B, T]; gradient flows only through valid tokens
+    train = clean(train_raw, t.valid).detach()
+    rollout = clean(rollout_logprobs, t.compared)
 
-    correcting = config.bypass or config.is_mode != "none"
-    corrected = compared if correcting else torch.zeros_like(compared)
     weights = torch.ones_like(lp)
-    truncated = masked = torch.zeros_like(mask)
+    truncated = masked = torch.zeros_like(t.mask)
     if config.is_mode != "none":
-        weights, truncated, masked = rollout_weights(
-            torch.where(compared, diff_c, 0.0), compared, sample_ids, segment_ids, config
-        )
+        diff = torch.where(t.compared, t.diff_c, 0.0)
+        weights, truncated, masked = rollout_weights(diff, t.compared, sample_ids, segment_ids, config)
         if config.is_batch_normalize:
-            weights = torch.where(compared, weights / float(is_weight_mean), weights)
-    old = torch.where(compared, rollout, train) if config.bypass else train
+            weights = torch.where(t.compared, weights / float(is_weight_mean), weights)
+    old = torch.where(t.compared, rollout, train) if config.bypass else train
 
-    adv = torch.where(valid, advantages.float(), 0.0)
+    adv = torch.where(t.valid, advantages.float(), 0.0)
     inputs = PolicyInputs(
-        logprobs=lp, old_logprobs=old, advantages=adv, valid=valid, sample_ids=sample_ids, num_samples=n
+        logprobs=lp, old_logprobs=old, advantages=adv, valid=t.valid, sample_ids=sample_ids, num_samples=n
     )
     terms = POLICY_LOSSES[config.policy_loss](inputs, config)
-    policy = torch.where(valid, weights * terms.per_token, 0.0)
+    policy = torch.where(t.valid, weights * terms.per_token, 0.0)
 
     kl = torch.zeros_like(lp)
     if ref_logprobs is not None:
-        est = kl_penalty(lp, clean(ref_logprobs, valid), config.kl_estimator, c, config.kl_clamp)
-        kl = torch.where(valid, est, kl)
+        est = kl_penalty(lp, clean(ref_logprobs, t.valid), config.kl_estimator, c, config.kl_clamp)
+        kl = torch.where(t.valid, est, kl)
 
     def agg(per_token: torch.Tensor) -> torch.Tensor:
         return aggregate(
             per_token,
-            valid,
+            t.valid,
             sample_ids,
             n,
             mode=config.aggregation,
@@ -183,41 +174,72 @@ def grpo_loss(
     policy_loss = agg(policy)
     kl_weights = weights if config.kl_is_weighted else 1.0
     kl_loss = agg(config.beta * kl_weights * kl) if config.beta > 0 else policy_loss.new_zeros(())
-    loss = policy_loss + kl_loss
 
-    present = unit_sums(mask.float(), mask, sample_ids, n) > 0  # [N] samples with loss tokens here
-    is_weight = torch.where(compared, torch.exp(diff_c), 1.0) if config.bypass else weights
+    correcting = config.bypass or config.is_mode != "none"
+    corrected = t.compared if correcting else torch.zeros_like(t.compared)
+    is_weight = torch.where(t.compared, torch.exp(t.diff_c), 1.0) if config.bypass else weights
+    present = unit_sums(t.mask.float(), t.mask, sample_ids, n) > 0  # [N] samples with loss tokens here
     metrics = _metric_sums(
         {
             "loss/policy": policy_loss,
             "loss/kl": kl_loss,
-            "tokens": mask,
-            "tokens_kept": valid,
+            "tokens": t.mask,
+            "tokens_kept": t.valid,
             "samples": present,
             "samples_complete": present & logprobs_complete,
-            "nonfinite_masked": mask & ~finite,
-            "clip/tokens_clipped": terms.clipped & valid,
-            "clip/tokens_dual_clipped": terms.dual_clipped & valid,
+            "nonfinite_masked": t.mask & ~t.finite,
+            "clip/tokens_clipped": terms.clipped & t.valid,
+            "clip/tokens_dual_clipped": terms.dual_clipped & t.valid,
             "kl/ref_sum": kl,
-            "ppo_kl_sum": torch.where(valid, old - lp.detach(), 0.0),  # k1 of KL(old || train)
+            "ppo_kl_sum": torch.where(t.valid, old - lp.detach(), 0.0),  # k1 of KL(old || train)
             "is/samples_corrected": present & logprobs_complete & correcting,
             "is/tokens_corrected": corrected,
-            "is/tokens_compared": measured,
+            "is/tokens_compared": t.measured,
             "is/tokens_truncated": truncated,
             "is/tokens_masked": masked,
-            "is/tokens_rejected": rejected,
+            "is/tokens_rejected": t.rejected,
             "is/weight_sum": torch.where(corrected, is_weight, 0.0),
             "is/weight_sq_sum": torch.where(corrected, is_weight * is_weight, 0.0),
         }
     )
-    rollout_m = clean(rollout_logprobs, measured)
+    measured_train, measured_rollout = clean(train_raw, t.measured), clean(rollout_logprobs, t.measured)
     metrics.update(
-        diagnostics.off_policy_sums(clean(train_raw, measured), rollout_m, measured, sample_ids, n, c)
+        diagnostics.off_policy_sums(measured_train, measured_rollout, t.measured, sample_ids, n, c)
     )
-    metrics["ratio/max"] = torch.where(valid, terms.ratio, 0.0).max().detach().float()
-    metrics["is/weight/max"] = torch.where(corrected, is_weight, 0.0).max().detach().float()
-    metrics["is/weight/min"] = torch.where(corrected, is_weight, math.inf).min().detach().float()
-    return loss, {k: v.detach().float() for k, v in metrics.items()}
+    metrics["ratio/max"] = torch.where(t.valid, terms.ratio, 0.0).max()
+    metrics["is/weight/max"] = torch.where(corrected, is_weight, 0.0).max()
+    metrics["is/weight/min"] = torch.where(corrected, is_weight, math.inf).min()
+    return policy_loss + kl_loss, {k: v.detach().float() for k, v in metrics.items()}
+
+
+@dataclass(frozen=True)
+class _Tokens:
+    """[B, T] masks of one call, each a subset of the one before where it says so."""
+
+    mask: torch.Tensor  # loss tokens
+    finite: torch.Tensor  # every logprob the loss reads is finite
+    measured: torch.Tensor  # mask & finite & complete: train vs rollout is known (diagnostics)
+    diff_c: torch.Tensor  # clamped log pi_train - log pi_rollout on `measured`, else 0
+    rejected: torch.Tensor  # finite loss tokens a rejection rule removed
+    valid: torch.Tensor  # mask & finite & ~rejected: the tokens in the loss
+    compared: torch.Tensor  # valid & complete: the tokens IS correction may touch
+
+
+def _kept_tokens(
+    logprobs, train_raw, loss_mask, advantages, rollout_logprobs, logprobs_complete, sample_ids,
+    config, old_logprobs, ref_logprobs, token_mask,
+) -> _Tokens:  # fmt: skip
+    mask = loss_mask.bool()
+    complete = token_complete(logprobs_complete, sample_ids)  # [B, T]
+    finite = token_finite(logprobs, rollout_logprobs, complete, old_logprobs, ref_logprobs)
+    measured = mask & finite & complete
+    diff_c = clamped_log_ratio(train_raw, rollout_logprobs, measured, config.log_ratio_clamp)
+    if token_mask is None:
+        rejected = rejected_tokens(diff_c, measured, sample_ids, advantages, config)
+    else:  # decided before the backward pass; a token non-finite now is counted as such instead
+        rejected = mask & finite & ~token_mask
+    valid = mask & finite & ~rejected
+    return _Tokens(mask, finite, measured, diff_c, rejected, valid, valid & complete)
 
 
 def _metric_sums(values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
