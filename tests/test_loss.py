@@ -540,3 +540,15 @@ def test_packed_and_padded_agree_for_every_new_mode(tiny, config):
         torch.testing.assert_close(m_p[key], m_d[key], rtol=1e-4, atol=1e-5, msg=key)
     if config.rejects:  # the rule acted, and not on every sample it could measure
         assert 0 < m_p["is/tokens_rejected"].item() < m_p["is/tokens_compared"].item()
+
+
+def test_prepass_bad_input():
+    batch = fixture_batch()
+    with pytest.raises(ValueError, match="logprobs"):
+        loss_token_mask(batch, LP[:, :5], cfg())
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        loss_token_mask(batch, LP, cfg(), ref_logprobs=LP[:, :5])
+    with pytest.raises(ValueError, match="mask"):
+        denominators(MASK.float(), batch)
+    with pytest.raises(ValueError, match="is_mode"):
+        is_weight_sums(batch, LP, MASK, cfg())
