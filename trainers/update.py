@@ -14,7 +14,8 @@ import torch
 
 from interlens_mcore import parallel
 from interlens_mcore.batch import TrainingBatch, build_batch
-from interlens_mcore.loss import LossConfig, batch_loss, finalize_metrics, merge_metrics
+from interlens_mcore.loss import empty_metrics, finalize_metrics, merge_metrics
+from interlens_mcore.loss_mask import denominators, is_weight_sums, loss_token_mask
 from interlens_mcore.rollout import Rollout
 from interlens_mcore.trajectory import Trajectory
 
@@ -24,37 +25,49 @@ _REDUCE = {"/max": "max", "/min": "min"}
 
 def update(trainer: Any, batches: list[TrainingBatch | None], rollout: Rollout) -> dict[str, float]:
     """`updates_per_rollout` optimizer steps on `batches`; returns the finalized metrics."""
-    backend, groups = trainer.backend, trainer.groups
+    backend, groups, cfg = trainer.backend, trainer.groups, trainer.loss_config
     placeholder = _placeholder(rollout, backend)
-    counts = torch.tensor(
-        [sum(b.num_loss_tokens for b in batches if b), sum(b.num_samples for b in batches if b)],
-        dtype=torch.float64,
-    )
-    # global denominators: the loss of every micro-batch on every DP rank sums to the mean
-    num_tokens, num_sequences = parallel.all_reduce(counts, group=groups.dp).tolist()
-    if num_tokens == 0:  # nothing trainable anywhere (e.g. every group dropped)
-        return {"grad_norm": 0.0, "skipped": 1.0, "step_skipped": 0.0}
-    old = None
-    if trainer.config.updates_per_rollout > 1:
+    updates = trainer.config.updates_per_rollout
+    refs = [backend.logprobs_of(b, reference=True) if b and cfg.beta > 0 else None for b in batches]
+    # Which tokens stay in the loss (non-finite logprobs and rejection rules remove some) must be
+    # known before the first backward, since both global denominators leave them out. With one
+    # micro-batch and one update, the forward of the update itself decides; otherwise a no-grad
+    # pass over every micro-batch does (its logprobs are also the old policy's).
+    # (`single` depends on the config alone: every rank takes the same path, collectives aligned)
+    single = len(batches) == 1 and updates == 1
+    if single:
+        first = backend.logprobs_of(batches[0] or placeholder)
+        old = [first.detach() if batches[0] else None]
+    else:
         with torch.no_grad():
             old = [backend.logprobs_of(b).detach() if b else None for b in batches]
-    beta = trainer.loss_config.beta
-    refs = [backend.logprobs_of(b, reference=True) if b and beta > 0 else None for b in batches]
+    masks = [loss_token_mask(b, o, cfg, ref_logprobs=r) if b else None for b, o, r in zip(batches, old, refs)]
+    counts = torch.zeros(4, dtype=torch.float64)  # loss tokens, samples, IS weight sum, corrected tokens
+    for b, o, m in zip(batches, old, masks):
+        if b is not None:
+            counts[:2] += denominators(m, b)
+            if cfg.is_batch_normalize:
+                counts[2:] += is_weight_sums(b, o, m, cfg)
+    # global denominators: the loss of every micro-batch on every DP rank sums to the mean
+    num_tokens, num_sequences, w_sum, w_count = parallel.all_reduce(counts, group=groups.dp).tolist()
+    if num_tokens == 0:  # nothing trainable anywhere (e.g. every group dropped or rejected)
+        return {"grad_norm": 0.0, "skipped": 1.0, "step_skipped": 0.0}
+    extra = {"is_weight_mean": w_sum / w_count if w_count else 1.0} if cfg.is_batch_normalize else {}
     skipped, sums, grad_norm = 0, None, 0.0
-    for _ in range(trainer.config.updates_per_rollout):
+    for k in range(updates):
         sums = None
         for i, batch in enumerate(batches):
             real = batch is not None
             mb = batch if real else placeholder
-            lp = backend.logprobs_of(mb)
+            lp = first if single and k == 0 else backend.logprobs_of(mb)
             kwargs = {
-                "old_logprobs": old[i] if old and real else None,
-                "ref_logprobs": refs[i] if real else None,
+                "old_logprobs": old[i] if updates > 1 and real else None,
+                "ref_logprobs": refs[i] if real else (lp.detach() if cfg.beta > 0 else None),
+                "token_mask": masks[i] if real else None,
+                **extra,
             }
-            if not real and beta > 0:
-                kwargs["ref_logprobs"] = lp.detach()
             loss, metrics = trainer.loss_fn(
-                lp, mb, trainer.loss_config, num_tokens=num_tokens, num_sequences=num_sequences, **kwargs
+                lp, mb, cfg, num_tokens=num_tokens, num_sequences=num_sequences, **kwargs
             )
             # a rank with no rows still joins the gradient all-reduce, contributing zero
             loss = loss if real else loss * 0.0
@@ -72,7 +85,7 @@ def update(trainer: Any, batches: list[TrainingBatch | None], rollout: Rollout) 
         # the backend did not apply this update (see Backend.optimizer_step): count it
         skipped += not math.isfinite(grad_norm)
     trainer.skipped_steps += skipped
-    metrics = reduce_metrics(sums, groups.dp, trainer.loss_config)
+    metrics = reduce_metrics(sums, groups.dp)
     return {**metrics, "grad_norm": grad_norm, "step_skipped": float(skipped > 0)}
 
 
@@ -83,11 +96,11 @@ def _placeholder(rollout: Rollout, backend: Any) -> TrainingBatch:
     return build_batch([first], [0.0], layout=backend.layout, pad_to_multiple=backend.pad_to_multiple)
 
 
-def reduce_metrics(sums: dict | None, group: Any, config: LossConfig) -> dict[str, float]:
+def reduce_metrics(sums: dict | None, group: Any) -> dict[str, float]:
     """Sum (max for '/max', min for '/min') the loss metric sums over `group`, then finalize."""
     if sums is None:  # this rank had nothing; its neutral values still join the reductions
-        sums = zero_metrics(config)
-    keys = sorted(sums)
+        sums = empty_metrics()
+    keys = sorted(sums)  # the same key set on every rank, whatever its config
     merged: dict[str, float] = {}
     for op in ("sum", "max", "min"):
         mine = [k for k in keys if _REDUCE.get("/" + k.rsplit("/", 1)[-1], "sum") == op]
@@ -97,18 +110,3 @@ def reduce_metrics(sums: dict | None, group: Any, config: LossConfig) -> dict[st
         parallel.all_reduce(values, op, group)
         merged.update(zip(mine, values.tolist()))
     return finalize_metrics(merged)
-
-
-def zero_metrics(config: LossConfig) -> dict[str, torch.Tensor]:
-    """The metric keys of the loss, all at their neutral value (for a rank that trained on nothing).
-
-    Zero for sums; -inf / +inf for max / min keys, so this rank never decides a max or a min.
-    """
-    t = Trajectory(token_ids=[0, 1], loss_mask=[0, 1], rollout_logprobs=None)
-    b = build_batch([t], [0.0])
-    # the keys depend on the config (IS and KL modes): the same config as every other rank's
-    zeros = torch.zeros(b.input_ids.shape)
-    ref = zeros if config.beta > 0 else None
-    _, m = batch_loss(zeros, b, config, num_tokens=1, num_sequences=1, ref_logprobs=ref)
-    neutral = {"max": -math.inf, "min": math.inf, "sum": 0.0}
-    return {k: torch.tensor(neutral[_REDUCE.get("/" + k.rsplit("/", 1)[-1], "sum")]) for k in m}
