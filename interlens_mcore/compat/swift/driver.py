@@ -23,7 +23,7 @@ from typing import Any, get_args
 from ...chat import ChatFormat
 from ...engine import SamplingParams
 from ...limits import StepTimeout, await_limited, check_time_limit, maybe_await
-from ...multiturn import MultiTurnError, run_multi_turn
+from ...multiturn import MultiTurnError, MultiTurnValueError, run_multi_turn
 from ...scheduler import EngineRollout, MultiTurnRequest, RolloutOutput
 from ...trajectory import Status, Trajectory, validate_tokens
 from ...vote import GatherFn, RolloutError, cast_vote, local_gather
@@ -77,16 +77,23 @@ def _cap(max_turns: Any) -> int | None:
     return max_turns
 
 
-def _agreed(gather_fn: GatherFn, rank: int, error: BaseException | None) -> RolloutError | None:
-    """One round of the group's vote outside the native driver: the group's failure, or None."""
+def _agreed(gather_fn: GatherFn, rank: int, error: BaseException | None) -> MultiTurnError | None:
+    """One round of the group's vote outside the native driver: the group's failure, or None.
+
+    The failure is a `MultiTurnError` (`MultiTurnValueError` for bad input), as the native
+    driver's are, with no outputs: no turn has been recorded yet.
+    """
     try:
         cast_vote(gather_fn, rank=rank, active=True, error=error)
     except RolloutError as failure:
+        cls = MultiTurnValueError if isinstance(failure, ValueError) else MultiTurnError
+        failure = cls(failure.failures, [])
+        failure.__cause__ = error
         return failure
     return None
 
 
-def _raise(failure: RolloutError, error: BaseException | None, bridge: SwiftBridge):
+def _raise(failure: MultiTurnError, error: BaseException | None, bridge: SwiftBridge):
     """The scheduler's own exception on the rank that raised it, the group's failure elsewhere."""
     own = bridge.own(error)
     if own is None:
