@@ -565,3 +565,28 @@ def test_on_trajectory_start_failure_ends_before_the_engine(tokenizer):
     assert engine.calls == []
     with pytest.raises(MultiTurnError):  # not a scheduler's own error: the group's failure
         run([{"solution": "1"}], EchoToolScheduler(max_turns=2), engine, tokenizer, SAMPLING)
+
+
+def test_step_time_limit_ends_only_the_slow_request(tokenizer):
+    class SlowHook(EchoToolScheduler):
+        async def on_turn_end(self, infer_request, response_choice, current_turn):
+            if infer_request.uuid.endswith("-1") and current_turn == 2:
+                await asyncio.sleep(30)  # cancelled at the limit
+            return {}
+
+    engine = ScriptedEngine(tokenizer, lambda i, t: "z")
+    fast, slow = run(user_rows(2), SlowHook(max_turns=3), engine, tokenizer, SAMPLING, step_timeout_s=0.5)
+    assert fast.status is Status.STOPPED and fast.num_turns == 3
+    assert slow.status is Status.TIMEOUT and slow.num_turns == 2
+    assert "on_turn_end exceeded 0.5 s at turn 2" in slow.rollout_infos["timeout"]
+    assert_engine_view(slow.to_trajectory(), engine.view(1))
+
+
+def test_done_given_as_text_is_rejected(tokenizer):
+    class Texty(EchoToolScheduler):
+        async def on_turn_end(self, infer_request, response_choice, current_turn):
+            return {"done": "False"}  # truthy in ms-swift: a bug there, an error here
+
+    engine = ScriptedEngine(tokenizer, lambda i, t: "z")
+    with pytest.raises(MultiTurnValueError, match="'done' must be a bool or None, got 'False'"):
+        run(user_rows(1), Texty(max_turns=3), engine, tokenizer, SAMPLING)

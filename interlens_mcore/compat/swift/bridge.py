@@ -133,9 +133,7 @@ class SwiftBridge(NativeScheduler):
         self, request: MultiTurnRequest, response_choice: ResponseChoice, current_turn: int
     ):
         st = self.states[request.index]
-        st.choice = ChatCompletionResponseChoice.from_native(
-            response_choice, self.user.tokenizer or self.chat.tokenizer
-        )
+        st.choice = ChatCompletionResponseChoice.from_native(response_choice, self.chat.tokenizer)
         append_completion(st.request.messages, response_choice.text)
         st.snapshot = copy.deepcopy(st.request.messages)
         try:

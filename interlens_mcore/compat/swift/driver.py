@@ -199,21 +199,8 @@ def run(
     chat = ChatFormat(tokenizer)
     scheduler.bind(engine, tokenizer)
     states = build_requests(rows, num_generations=num_generations, rank=rank, seed=seed)
-    requests = [st.request for st in states]
     bridge = SwiftBridge(scheduler, chat, states, cap)
-    error: BaseException | None = None
-    try:
-        try:
-            asyncio.run(_start(scheduler, requests, step_timeout_s))
-        except Exception as exc:
-            bridge.user_errors.append(exc)
-            add_note(exc, f"raised by {type(scheduler).__name__}.on_trajectory_start")
-            raise
-        for st in states:  # on_trajectory_start may have replaced a request in the list
-            st.request = requests[st.position]
-        first_requests = _first_requests(chat, states)
-    except Exception as exc:
-        error = exc
+    first_requests, error = _open(scheduler, states, chat, bridge, step_timeout_s)
     failure = _agreed(gather_fn, rank, error)
     if failure is None:
         rollout_fn = EngineRollout(engine, chat, seed=seed)
@@ -225,25 +212,16 @@ def run(
     if failure is None:
         try:
             outputs = run_multi_turn(
-                first_requests,
-                first,
-                bridge,
-                rollout_fn,
-                sampling,
-                None,
-                gather_fn,
-                rank=rank,
-                step_timeout_s=step_timeout_s,
-            )
+                first_requests, first, bridge, rollout_fn, sampling, None, gather_fn,
+                rank=rank, step_timeout_s=step_timeout_s,
+            )  # fmt: skip
         except MultiTurnError as exc:
             failure, error = exc, exc.__cause__
-    end_error = _end(scheduler, [st.request for st in states], error if failure else None)
+    # every rank's on_trajectory_end learns of a failure, also where it did not happen
+    end_error = _end(scheduler, [st.request for st in states], None if failure is None else error or failure)
     if failure is not None:
         if end_error is not None:
-            add_note(
-                failure if bridge.own(error) is None else error,
-                f"on_trajectory_end also failed: {end_error!r}",
-            )
+            add_note(bridge.own(error) or failure, f"on_trajectory_end also failed: {end_error!r}")
         _raise(failure, error, bridge)
     if end_error is not None:
         bridge.user_errors.append(end_error)
@@ -251,6 +229,29 @@ def run(
     if failure is not None:
         _raise(failure, end_error, bridge)
     return [_finish(out, st, train_turns) for out, st in zip(outputs, states, strict=True)]
+
+
+def _open(
+    scheduler: MultiTurnScheduler,
+    states: list[RequestState],
+    chat: ChatFormat,
+    bridge: SwiftBridge,
+    limit: float | None,
+) -> tuple[list[MultiTurnRequest], Exception | None]:
+    """on_trajectory_start, then each request's first prompt; (prompts, this rank's error)."""
+    requests = [st.request for st in states]
+    try:
+        asyncio.run(_start(scheduler, requests, limit))
+    except Exception as exc:
+        bridge.user_errors.append(exc)
+        add_note(exc, f"raised by {type(scheduler).__name__}.on_trajectory_start")
+        return [], exc
+    for st in states:  # on_trajectory_start may have replaced a request in the list
+        st.request = requests[st.position]
+    try:
+        return _first_requests(chat, states), None
+    except Exception as exc:
+        return [], exc
 
 
 def _end(scheduler: MultiTurnScheduler, requests: list[RolloutInferRequest], error: BaseException | None):
