@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import sys
 from collections import Counter
 
 import numpy as np
@@ -20,11 +21,13 @@ from interlens_mcore.compat.swift import (
     MultiTurnScheduler,
     SwiftTaskSource,
     envs,
+    multi_turns,
+    resolve_scheduler,
     rollout_trajectories,
     run,
 )
 from interlens_mcore.engine import Generation, HFEngine, SamplingParams
-from interlens_mcore.multiturn import MultiTurnError, MultiTurnValueError
+from interlens_mcore.multiturn import MultiTurnError, MultiTurnValueError, ToolScheduler
 from interlens_mcore.trajectory import Status
 
 SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=5)
@@ -540,6 +543,14 @@ def test_plugin_file_with_one_changed_import(tmp_path, tokenizer):
     assert task.describe()["scheduler"] == "CountdownScheduler"
     with pytest.raises(ValueError, match="has no 'Nope'"):
         SwiftTaskSource.from_spec("swift_plugin_countdown:Nope", dataset=rows)
+    # a name registered as ms-swift plugins register theirs; a native scheduler resolves, for run_multi_turn
+    multi_turns["countdown"] = sys.modules["swift_plugin_countdown"].CountdownScheduler
+    assert (
+        SwiftTaskSource.from_spec("countdown", dataset=rows).describe()["scheduler"] == "CountdownScheduler"
+    )
+    assert resolve_scheduler("interlens_mcore:ToolScheduler") is ToolScheduler
+    with pytest.raises(ValueError, match="ToolScheduler is a native scheduler"):
+        SwiftTaskSource.from_spec("interlens_mcore:ToolScheduler", dataset=rows)
 
 
 def test_missing_reward_is_reported_by_the_reward_function(tokenizer):

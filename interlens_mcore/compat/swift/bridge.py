@@ -24,10 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...chat import ChatFormat
+from ... import ChatFormat, MultiTurnRequest, ResponseChoice
+from ... import MultiTurnScheduler as NativeScheduler
 from ...limits import maybe_await
-from ...scheduler import MultiTurnRequest, ResponseChoice
-from ...scheduler import MultiTurnScheduler as NativeScheduler
 from .scheduler import MultiTurnScheduler
 from .transcript import append_completion, extension, native_messages, without_placeholder
 from .types import ChatCompletionResponseChoice, Message, RolloutInferRequest

@@ -20,13 +20,22 @@ import copy
 from collections.abc import Sequence
 from typing import Any, get_args
 
-from ...chat import ChatFormat
-from ...engine import SamplingParams
+from ... import (
+    ChatFormat,
+    EngineRollout,
+    MultiTurnError,
+    MultiTurnRequest,
+    MultiTurnValueError,
+    RolloutError,
+    RolloutOutput,
+    SamplingParams,
+    Status,
+    Trajectory,
+    run_multi_turn,
+)
 from ...limits import StepTimeout, await_limited, check_time_limit, maybe_await
-from ...multiturn import MultiTurnError, MultiTurnValueError, run_multi_turn
-from ...scheduler import EngineRollout, MultiTurnRequest, RolloutOutput
-from ...trajectory import Status, Trajectory, validate_tokens
-from ...vote import GatherFn, RolloutError, cast_vote, local_gather
+from ...trajectory import validate_tokens
+from ...vote import GatherFn, cast_vote, local_gather
 from .bridge import OVERRIDE_KEYS, RequestState, SwiftBridge, add_note, turn_overrides
 from .scheduler import MultiTurnScheduler
 from .transcript import native_messages, prompt_ids, without_placeholder

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ... import MultiTurnScheduler as NativeScheduler
 from .scheduler import InferEngine, MultiTurnScheduler, multi_turns
 
 
@@ -32,8 +33,12 @@ def load_plugins(paths: Sequence[str | Path]) -> list[str]:
     return names
 
 
-def resolve_scheduler(spec: str) -> type[MultiTurnScheduler]:
-    """The scheduler class `MODULE:CLASS` names, or the one registered as `spec` in `multi_turns`."""
+def resolve_scheduler(spec: str) -> type[MultiTurnScheduler] | type[NativeScheduler]:
+    """The scheduler class `MODULE:CLASS` names, or the one registered as `spec` in `multi_turns`.
+
+    Native schedulers are accepted too: `issubclass(cls, compat.swift.MultiTurnScheduler)`
+    tells which path (compat.swift.run or run_multi_turn) drives it.
+    """
     if ":" in spec:
         module_name, _, attr = spec.partition(":")
         cls = getattr(importlib.import_module(module_name), attr, None)
@@ -46,8 +51,8 @@ def resolve_scheduler(spec: str) -> type[MultiTurnScheduler]:
             f"--multi-turn-scheduler {spec!r}: expected MODULE:CLASS or a name registered in "
             f"multi_turns {sorted(multi_turns)}"
         )
-    if not (isinstance(cls, type) and issubclass(cls, MultiTurnScheduler)):
-        raise ValueError(f"--multi-turn-scheduler {spec!r} is {cls!r}, not a compat.swift.MultiTurnScheduler")
+    if not (isinstance(cls, type) and issubclass(cls, (MultiTurnScheduler, NativeScheduler))):
+        raise ValueError(f"--multi-turn-scheduler {spec!r} is {cls!r}, not a MultiTurnScheduler class")
     return cls
 
 
@@ -60,5 +65,10 @@ def build_scheduler(
     **kwargs,
 ) -> MultiTurnScheduler:
     """Construct a scheduler as ms-swift does: `cls(infer_engine=..., max_turns=..., **kwargs)`."""
+    if not issubclass(cls, MultiTurnScheduler):
+        raise ValueError(
+            f"{cls.__name__} is a native scheduler (constructed with a ChatFormat), not a "
+            "compat.swift.MultiTurnScheduler; drive it with run_multi_turn"
+        )
     infer_engine = InferEngine(engine=engine, tokenizer=tokenizer) if engine is not None else None
     return cls(infer_engine=infer_engine, max_turns=max_turns, tokenizer=tokenizer, **kwargs)

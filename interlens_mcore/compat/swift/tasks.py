@@ -20,9 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, get_args
 
-from ...engine import SamplingParams
+from ... import SamplingParams, Trajectory
 from ...tasks.base import TaskSource
-from ...trajectory import Trajectory
 from ...vote import GatherFn, local_gather
 from .driver import rollout_trajectories
 from .plugins import build_scheduler, load_plugins, resolve_scheduler

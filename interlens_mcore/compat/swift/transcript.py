@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...chat import ChatFormat
+from ... import ChatFormat
 from .types import Message
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ... import scheduler as _native
-from ...trajectory import Status, Trajectory
+from ... import ResponseChoice, Status, Trajectory
+from ... import RolloutOutput as NativeOutput
 
 Message = dict[str, Any]  # {"role": ..., "content": str | None, ...}
 TrainTurns = Literal["all", "last_round"]  # ms-swift's loss_scale: every assistant round, or the last
@@ -46,7 +46,7 @@ class ChatCompletionResponseChoice:
     logprobs: dict[str, list[dict[str, Any]]] | None  # {"content": [{"token", "logprob"}, ...]}
 
     @classmethod
-    def from_native(cls, choice: _native.ResponseChoice, tokenizer: Any) -> ChatCompletionResponseChoice:
+    def from_native(cls, choice: ResponseChoice, tokenizer: Any) -> ChatCompletionResponseChoice:
         logprobs = None
         if choice.logprobs is not None:
             tokens = tokenizer.convert_ids_to_tokens(list(choice.token_ids))
@@ -84,7 +84,7 @@ class SwiftOutput:
     rollout_logprobs: list[list[float] | None]  # one per mask-1 token of each turn
     rollout_infos: dict[str, Any]
     status: Status
-    native: _native.RolloutOutput  # the native driver's record this output reads from
+    native: NativeOutput  # the native driver's record this output reads from
 
     @property
     def messages(self) -> list[Message]:
