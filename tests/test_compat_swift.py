@@ -601,3 +601,9 @@ def test_done_given_as_text_is_rejected(tokenizer):
     engine = ScriptedEngine(tokenizer, lambda i, t: "z")
     with pytest.raises(MultiTurnValueError, match="'done' must be a bool or None, got 'False'"):
         run(user_rows(1), Texty(max_turns=3), engine, tokenizer, SAMPLING)
+
+
+def test_a_rank_with_no_rows_still_joins_the_engine_call(tokenizer):
+    engine = ScriptedEngine(tokenizer, lambda i, t: "z")
+    assert run([], EchoToolScheduler(max_turns=2), engine, tokenizer, SAMPLING) == []
+    assert engine.call_sizes == [0]  # the first turn's call is collective: an idle rank takes part
