@@ -430,6 +430,13 @@ def test_final_turn_shaped_by_on_turn_end(tokenizer):
     assert traj.logprobs_complete and traj.rollout_logprobs[-2:] == pytest.approx(g2.logprobs[:2])
     assert traj.turns[-1].end == len(traj.token_ids)
 
+    class BadLast(EchoToolScheduler):
+        async def on_turn_end(self, infer_request, response_choice, current_turn):
+            return {"done": True, "response_token_ids": [10**6]}
+
+    with pytest.raises(MultiTurnValueError, match=r"request 0-0 \(index 0, turn 1\): on_turn_end .*outside"):
+        run(user_rows(1), BadLast(max_turns=5), engine, tokenizer, SAMPLING)
+
 
 def test_scheduler_errors_keep_their_type(tokenizer):
     seen = []

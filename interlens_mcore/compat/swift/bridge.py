@@ -27,6 +27,7 @@ from typing import Any
 from ... import ChatFormat, MultiTurnRequest, ResponseChoice
 from ... import MultiTurnScheduler as NativeScheduler
 from ...limits import maybe_await
+from ...trajectory import validate_tokens
 from .scheduler import MultiTurnScheduler
 from .transcript import append_completion, extension, native_messages, without_placeholder
 from .types import ChatCompletionResponseChoice, Message, RolloutInferRequest
@@ -56,6 +57,7 @@ class RequestState:
     snapshot: list[Message] = field(default_factory=list)  # messages right after the reply
     turn_result: dict[str, Any] = field(default_factory=dict)  # on_turn_end's, this round
     by_cap: bool = False  # finished by the turn cap alone
+    final: tuple[list[int], list[int], list[float] | None] | None = None  # on_turn_end's last turn
 
     def where(self, turn: int) -> str:
         return f"request {self.request.uuid} (index {self.index}, turn {turn})"
@@ -171,6 +173,22 @@ class SwiftBridge(NativeScheduler):
             stop = truthy_done(result["done"], st.where(turn)) if done else bool(checked)
             st.by_cap = not stop and self.cap is not None and turn >= self.cap
             decided[index] = stop or st.by_cap
+            if decided[index] and any(result.get(k) is not None for k in OVERRIDE_KEYS):
+                # checked here, inside the round, so bad ids fail every rank through the vote
+                st.final = self._final_turn(st, turn)
+
+    def _final_turn(self, st: RequestState, turn: int) -> tuple[list[int], list[int], list[float] | None]:
+        """The finishing turn as on_turn_end shaped it (no step runs for it, in ms-swift either)."""
+        where = f"{st.where(turn)}: on_turn_end"
+        choice = st.choice
+        engine = [float(x["logprob"]) for x in choice.logprobs["content"]] if choice.logprobs else None
+        ids, mask, logprobs, _ = turn_overrides(st.turn_result, choice.token_ids, engine, where)
+        validate_tokens(ids, mask, logprobs, where=where)
+        size, sampled = len(self.chat.tokenizer), set(choice.token_ids)
+        bad = next((t for t in ids if t >= size and t not in sampled), None)
+        if bad is not None:
+            raise ValueError(f"{where} response_token_ids holds {bad}, outside the vocabulary of {size}")
+        return ids, mask, logprobs
 
     def step(self, request: MultiTurnRequest, response_choice: ResponseChoice, current_turn: int):
         st = self.states[request.index]

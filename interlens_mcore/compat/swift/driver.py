@@ -34,9 +34,8 @@ from ... import (
     run_multi_turn,
 )
 from ...limits import StepTimeout, await_limited, check_time_limit, maybe_await
-from ...trajectory import validate_tokens
 from ...vote import GatherFn, cast_vote, local_gather
-from .bridge import OVERRIDE_KEYS, RequestState, SwiftBridge, add_note, turn_overrides
+from .bridge import RequestState, SwiftBridge, add_note
 from .scheduler import MultiTurnScheduler
 from .transcript import native_messages, prompt_ids, without_placeholder
 from .types import RolloutInferRequest, SwiftOutput, TrainTurns
@@ -134,14 +133,12 @@ def _first_requests(chat: ChatFormat, states: list[RequestState]) -> list[MultiT
     return out
 
 
-def _override_final(out: RolloutOutput, st: RequestState, where: str) -> None:
-    """Reshape the final turn as on_turn_end said: no step runs for it in ms-swift either."""
-    result, choice = st.turn_result, st.choice
-    if not any(result.get(k) is not None for k in OVERRIDE_KEYS):
+def _override_final(out: RolloutOutput, st: RequestState) -> None:
+    """Put the final turn as on_turn_end shaped it (checked in its round) in place of the sampled ids."""
+    if st.final is None:
         return
-    engine = [float(x["logprob"]) for x in choice.logprobs["content"]] if choice.logprobs else None
-    ids, mask, logprobs, _ = turn_overrides(result, choice.token_ids, engine, f"{where}: on_turn_end")
-    validate_tokens(ids, mask, logprobs, where=f"{where}: on_turn_end")
+    ids, mask, logprobs = st.final
+    choice = st.choice
     turn, turn_mask = out.response_token_ids[-1], out.response_loss_mask[-1]
     k = len(turn) - len(choice.token_ids)  # the sampled ids are the turn's tail
     before = sum(turn_mask[:k])
@@ -154,7 +151,7 @@ def _override_final(out: RolloutOutput, st: RequestState, where: str) -> None:
 
 def _finish(out: RolloutOutput, st: RequestState, train_turns: TrainTurns) -> SwiftOutput:
     if out.status in (Status.STOPPED, Status.MAX_TURNS):
-        _override_final(out, st, f"request {st.request.uuid} (index {st.index})")
+        _override_final(out, st)
         out.status = Status.MAX_TURNS if st.by_cap else Status.STOPPED
     last = len(out.response_loss_mask) - 1
     for t, mask in enumerate(out.response_loss_mask):
