@@ -12,7 +12,9 @@ from .sandbox import ARITHMETIC_NODES, Sandbox
 
 _ARITHMETIC = Sandbox(names={}, nodes=ARITHMETIC_NODES)
 _EXPRESSIONS = Sandbox()
-_REPR = reprlib.Repr(maxlevel=4, maxlist=50, maxtuple=50, maxset=50, maxdict=50, maxstring=500, maxlong=500)
+_REPR = reprlib.Repr()  # a value's text, cut to a size a policy can read
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxlong, _REPR.maxother = 4, 500, 500, 500
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxset = _REPR.maxdict = 50
 
 
 def calculator(expression: str) -> str:
