@@ -121,7 +121,9 @@ def test_limits_are_configurable():
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.text(alphabet=st.sampled_from(list("0123456789+-*/%()[]{}<>=!~^&|,.:' abcdefgxyz_*\"\n")), max_size=60))
+@given(
+    st.text(alphabet=st.sampled_from(list("0123456789+-*/%()[]{}<>=!~^&|,.:' abcdefgxyz_*\"\n")), max_size=60)
+)
 def test_any_text_is_a_value_or_a_sandbox_error(text):
     start = time.monotonic()
     try:
