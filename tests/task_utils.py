@@ -40,3 +40,16 @@ class ScriptEngine:
             ids = self.tok.encode(text, add_special_tokens=False) + [self.tok.eos_token_id]
             out.append(Generation(token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop"))
         return out
+
+
+def scored(conv):
+    """conv's trajectories with `infos["env_reward"]` set as the trainer sets it (sum over envs)."""
+    from interlens_mcore.conversation import Environment
+
+    out = []
+    for t in conv.trajectories():
+        scores = [p.reward_for(conv, t.participant) for p in conv.lineup if isinstance(p, Environment)]
+        given = [s for s in scores if s is not None]
+        t.infos["env_reward"] = float(sum(given)) if given else None
+        out.append(t)
+    return out
