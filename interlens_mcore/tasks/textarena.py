@@ -24,7 +24,9 @@ would leak one player's view to the other, are refused, as are games that need a
 an API key, a data file the wheel lacks, or Python 3.12 (`REFUSED`). A move the game rejects
 ends the game as a loss for the seat that made it (the game would ask the same seat again,
 out of the lineup's turn); textarena itself does this once its error allowance is spent.
-`conv.infos["invalid_moves"]` counts them.
+`conv.infos["invalid_moves"]` counts them. A game that asks a seat for a second valid move in
+a row ends as a draw, `conv.infos["out_of_turn"] = 1` (none of the games allowed here did in
+our trials; Othello's forced pass could).
 """
 
 from __future__ import annotations
@@ -51,50 +53,21 @@ _PRIVATE = (
     "it keeps information private to one player or has simultaneous moves, and both seats here "
     "read the whole transcript"
 )
+_PRIVATE_GAMES = (
+    "Poker KuhnPoker IndianPoker LiarsDice Battleship Stratego Briscola GermanWhist Golf "
+    "GuessWho Codenames SecretMafia SimpleNegotiation SimpleBlindAuction HighSociety Crusade "
+    "SpiteAndMalice IteratedPrisonersDilemma IteratedRockPaperScissors "
+    "IteratedMatchingPennies IteratedTwoThirdsAverage IteratedUltimatumGame ColonelBlotto "
+    "GameOfPureStrategy Snake Surround MarketEntryGame PublicGoodsGame Taboo "
+    "CharacterConclave ScorableGames MemoryGame Set NewRecruit TruthAndDeception TwoDollar"
+).split()
 REFUSED: dict[str, str] = {
     **dict.fromkeys(("Chess", "Checkers", "IteratedStagHunt", "ReverseTicTacToe"), _PY312),
     **dict.fromkeys(("DontSayIt", "LetterAuction", "SpellingBee", "WordChains"), _NLTK),
     **dict.fromkeys(("Debate", "ScenarioPlanning"), _API),
     "UsedCarNegotiation": "its data file is missing from the textarena 0.7.4 wheel",
-    **dict.fromkeys(
-        (
-            "Poker",
-            "KuhnPoker",
-            "IndianPoker",
-            "LiarsDice",
-            "Battleship",
-            "Stratego",
-            "Briscola",
-            "GermanWhist",
-            "Golf",
-            "GuessWho",
-            "Codenames",
-            "SecretMafia",
-            "SimpleNegotiation",
-            "SimpleBlindAuction",
-            "HighSociety",
-            "Crusade",
-            "SpiteAndMalice",
-            "IteratedPrisonersDilemma",
-            "IteratedRockPaperScissors",
-            "IteratedMatchingPennies",
-            "IteratedTwoThirdsAverage",
-            "IteratedUltimatumGame",
-            "ColonelBlotto",
-            "GameOfPureStrategy",
-            "Snake",
-            "Surround",
-            "MarketEntryGame",
-            "PublicGoodsGame",
-            "Taboo",
-            "CharacterConclave",
-            "ScorableGames",
-            "MemoryGame",
-            "Set",
-            "NewRecruit",
-        ),
-        _PRIVATE,
-    ),  # fmt: skip
+    **dict.fromkeys(_PRIVATE_GAMES, _PRIVATE),
+    "PigDice": "a player moves several times in a row, and a lineup's seats alternate",
 }
 
 
@@ -136,7 +109,8 @@ class ArenaTask:
     max_turns: int = 0
 
     def __post_init__(self) -> None:
-        self.max_turns = 4 * self.max_moves
+        # two turns per move, and one more: arena_0 judges the last move of player_1
+        self.max_turns = 4 * self.max_moves + 1
 
     @property
     def columns(self) -> dict[str, Any]:
@@ -179,8 +153,7 @@ class Arena(Environment):
         if g.done:
             return None
         pid, observation = g.env.get_observation()
-        if pid != self.k:  # never reached by the games allowed here; said plainly if it is
-            raise RuntimeError(f"{self.task.game_id}: the game asks player {pid} to move, expected {self.k}")
+        assert pid == self.k, f"{self.task.game_id}: player {pid} to move, expected {self.k}"  # see _move
         return "\n".join(_render(observation)) or "Your move."
 
     def _move(self, conv: Conversation, mover: int, text: str) -> None:
@@ -191,9 +164,15 @@ class Arena(Environment):
             rewards, _ = g.env.close()
             self._finish(conv, {int(p): float(r) for p, r in rewards.items()}, "game over")
             return
-        if g.env.state.current_player_id == mover:  # the game rejected the move and asks again
+        state = g.env.state
+        if state.current_player_id != mover:
+            return
+        if getattr(state, "error_count", 0) > 0:  # the game rejected the move and asks again
             conv.infos["invalid_moves"] += 1
             self._finish(conv, {mover: -1.0, 1 - mover: 1.0}, f"invalid move by {SEATS[mover]}")
+        else:  # a second move in a row (e.g. the other seat must pass): the lineup cannot serve it
+            conv.infos["out_of_turn"] = 1
+            self._finish(conv, {0: 0.0, 1: 0.0}, "out of turn")
 
     def _finish(self, conv: Conversation, rewards: dict[int, float], reason: str) -> None:
         g = self.game
@@ -212,10 +191,16 @@ class Arena(Environment):
 
 
 _MOVE = re.compile(r"\[[^\[\]\n]{1,20}\]")
+_MOVE_LIST = re.compile(r"(available|valid|legal) moves?", re.IGNORECASE)
 
 
 class RandomMover(Environment):
-    """A fixed opponent: a random bracketed move from the game's last message."""
+    """A fixed opponent: a random bracketed move from the game's last message.
+
+    The moves after the message's last "available / valid / legal moves" when it lists them
+    (TicTacToe, Othello, SimpleTak do), else any bracketed text; a game that lists none gets
+    "[0]", usually an invalid move, so against it this opponent is weak.
+    """
 
     role = "assistant"
 
@@ -224,6 +209,8 @@ class RandomMover(Environment):
 
     def respond(self, conv: Conversation) -> str:
         text = conv.messages[-1].content if conv.messages else ""
+        listed = list(_MOVE_LIST.finditer(text))
+        text = text[listed[-1].end() :] if listed else text
         moves = [m for m in _MOVE.findall(text) if not m.startswith(("[GAME", "[Player"))]
         rng = random.Random(zlib.crc32(f"{conv.seed}/{self.name}/{conv.turns_taken}".encode()))
         return rng.choice(moves) if moves else "[0]"
