@@ -78,7 +78,12 @@ def load_rows(path: str, *, split: str = "train") -> Any:
         raise ValueError(f"dataset {path!r}: expected a {', '.join(_BUILDERS)} file or a save_to_disk folder")
     if not os.path.isfile(path):
         raise ValueError(f"dataset {path!r}: no such file")
-    return datasets.load_dataset(_BUILDERS[ext], data_files=path, split="train")
+    try:
+        return datasets.load_dataset(_BUILDERS[ext], data_files=path, split="train")
+    except Exception as exc:  # the builders raise their own error types for unreadable files
+        if "corresponds to no data" in str(exc):
+            raise ValueError(f"dataset {path!r} is empty") from exc
+        raise ValueError(f"dataset {path!r}: cannot read it as {ext} ({type(exc).__name__}: {exc})") from exc
 
 
 def prompt_messages(value: Any, *, where: str) -> list[Message]:
