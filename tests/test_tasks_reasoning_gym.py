@@ -133,3 +133,14 @@ def test_tiny_model_rollout(tiny):
         assert c.infos["attempts"] in (1, 2) and c.infos["success"] in (0.0, 1.0)
         assert len(t.turns) == c.infos["attempts"] and sum(t.loss_mask) == len(t.rollout_logprobs)
     assert len(environment_reward(trajectories, rows)) == 4
+
+
+def test_make_source_dispatches_by_family():
+    from interlens_mcore.tasks.families import make_source
+
+    assert make_source("reasoning_gym:basic_arithmetic", max_attempts=2).options.max_attempts == 2
+    assert make_source("gym:FrozenLake-v1", is_slippery=False).name == "gym:FrozenLake-v1"
+    assert make_source("textarena:TicTacToe-v0", opponent="frozen").frozen_seats == ("player_1",)
+    for bad in ("reasoning_gym", "chess:Chess-v0", "gym:"):
+        with pytest.raises(ValueError, match="expected FAMILY:NAME"):
+            make_source(bad)

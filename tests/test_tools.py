@@ -248,3 +248,35 @@ def test_a_hanging_sync_tool_is_cut_off():
     start = time.monotonic()
     conv = _run([call("hang", x=1), "ok"], [hang], tool_timeout_s=0.2)
     assert "ran past 0.2 s" in conv.messages[1].content and time.monotonic() - start < 3
+
+
+def test_reasoning_gym_with_a_calculator(tiny):
+    from interlens_mcore.tasks import reasoning_gym as rg
+
+    src = with_tools(rg.source("basic_arithmetic", max_attempts=2), [calculator], tokenizer=tiny[1])
+    row = src.rows(1, seed=0)[0]
+    expression = row.entry["metadata"]["expression"]  # the wrapped row's fields stay readable
+    value = calculator(expression)
+    answer = row.entry["answer"]
+    engine = ScriptEngine(
+        tiny[1], {"row0": [call("calculator", expression=expression), f"<answer>{answer}</answer>"]}
+    )
+    conv = play([row], engine, tiny[1])[0]
+    assert conv.messages[1].role == "tool" and conv.messages[1].content == value
+    # the judge saw one attempt: the tool turn is not an answer
+    assert (
+        conv.infos["attempts"] == 1 and conv.infos["success"] == 1.0 and conv.infos["tool_valid_calls"] == 1
+    )
+    assert row.max_turns == 2 * 2 + 2 * 4 and src.trained_seats == ("policy",)
+    assert src.describe()["tools"] == ["calculator"] and row.prompt()[0].role == "system"
+
+
+def test_gym_with_tools_keeps_the_episode(tiny):
+    from interlens_mcore.tasks import gym as gym_tasks
+
+    src = with_tools(gym_tasks.source("FrozenLake-v1", is_slippery=False, max_steps=2), [python_eval])
+    row = src.rows(1, seed=0)[0]
+    engine = ScriptEngine(tiny[1], {"row0": [call("python_eval", expression="1 + 1"), "right", "down"]})
+    conv = play([row], engine, tiny[1])[0]
+    assert conv.messages[1].content == "2" and conv.infos["steps"] == 2 and conv.infos["tool_calls"] == 1
+    assert conv.stop_reason == "episode over"  # (0, 1) -> (1, 1) is a hole
