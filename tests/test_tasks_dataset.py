@@ -132,3 +132,26 @@ def test_tiny_model_rollout_and_reward_columns(tmp_path, tiny):
         t.infos["completion"] = c.messages[-1].content
     expected = [float(str(2 * int(c.prompt[0].content.split()[2])) in c.messages[-1].content) for c in convs]
     assert says_the_answer(trajectories, rows) == expected
+
+
+def test_the_reward_function_of_docs_tasks_md(tmp_path):
+    import re
+    from pathlib import Path
+
+    from interlens_mcore.trajectory import Trajectory
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "tasks.md").read_text()
+    [block] = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    scope: dict = {}
+    exec(block, scope)
+    rows = ds_tasks.source(_write(tmp_path, "jsonl"), eval_fraction=0.0).rows(2, seed=0)
+    said = [f"it is {rows[0].columns['answer']}", "no idea"]
+    trajectories = [
+        Trajectory(token_ids=[1], loss_mask=[1], rollout_logprobs=None, infos={"completion": s}) for s in said
+    ]
+    assert scope["exact_answer"](trajectories, rows) == [1.0, 0.0]
+    # the tool specs the commands name load as written
+    from interlens_mcore.tools import load_tools
+
+    for spec in set(re.findall(r"--tools (interlens_mcore\S+)", text)):
+        assert load_tools(spec)
