@@ -178,10 +178,14 @@ def test_call_budget_hands_replies_to_the_environment():
     assert conv.messages[3].content == "judged"  # second call goes to the judge as an answer
 
 
+# in the manner of Hermes / Qwen templates: the tools join the first system message, and a
+# conversation without one gets a default system message
 CHAT_WITH_TOOLS = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
-    "{% if loop.first and m['role'] == 'system' and tools %}\n# Tools\n{% for t in tools %}"
-    "{{ t | tojson }}\n{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% set ns = namespace(tools='') %}{% if tools %}{% set ns.tools = '\n# Tools\n' %}"
+    "{% for t in tools %}{% set ns.tools = ns.tools + (t | tojson) + '\n' %}{% endfor %}{% endif %}"
+    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou help.{{ ns.tools }}<|im_end|>\n"
+    "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% if loop.first and m['role'] == 'system' %}{{ ns.tools }}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
@@ -201,6 +205,9 @@ def test_template_preamble_reproduces_the_template(tiny):
 
     full = tok.apply_chat_template([{"role": "system", "content": "be brief"}], tools=schemas, tokenize=False)
     assert ChatFormat(tok).message_ids("system", text) == tok.encode(full, add_special_tokens=False)
+    # no system message: the template's default one carries the tools
+    default = template_preamble(tok, schemas)
+    assert default.startswith("You help.\n# Tools\n") and '"add"' in default
 
 
 def test_with_tools_end_to_end_on_a_dataset(tmp_path, tiny):
@@ -280,3 +287,17 @@ def test_gym_with_tools_keeps_the_episode(tiny):
     conv = play([row], engine, tiny[1])[0]
     assert conv.messages[1].content == "2" and conv.infos["steps"] == 2 and conv.infos["tool_calls"] == 1
     assert conv.stop_reason == "episode over"  # (0, 1) -> (1, 1) is a hole
+
+
+def test_tiny_model_rollout_with_tools(tiny):
+    from interlens_mcore.engine import HFEngine
+    from interlens_mcore.tasks import reasoning_gym as rg
+
+    model, tok = tiny
+    src = with_tools(rg.source("basic_arithmetic"), [calculator], tokenizer=tok)
+    convs = play(src.rows(3, seed=0), HFEngine(model, tok), tok, max_new_tokens=6)
+    for c in convs:
+        [t] = c.trajectories()
+        assert c.infos["tool_calls"] == 0 and c.infos["attempts"] == 1  # a random model calls nothing
+        assert tok.decode(t.token_ids).startswith("<|im_start|>system\nYou may call tools.")
+        assert sum(t.loss_mask) == len(t.rollout_logprobs) > 0

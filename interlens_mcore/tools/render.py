@@ -43,14 +43,14 @@ def template_preamble(
     with_tools = _render(tokenizer, opening + user, list(schemas))
     if with_tools == _render(tokenizer, opening + user, None):
         return None  # the template ignores tools=
-    # the user message closes both renderings; what comes before it is the system message
-    alone = _render(tokenizer, user, None)
-    n = 0
-    while n < len(alone) and alone[-1 - n] == with_tools[-1 - n]:
-        n += 1
-    if n <= len(alone) - alone.index(_PROBE):
-        return None  # the user message is not rendered the same after a system message
-    prefix = with_tools[: len(with_tools) - n]
+    # the user message as the template renders it after a system message (a template may add a
+    # default system message before a lone user message, so it is not the lone rendering)
+    probe_system = [{"role": "system", "content": "s"}]
+    before = _render(tokenizer, probe_system, None)
+    after = _render(tokenizer, probe_system + user, None)
+    if not after.startswith(before) or not with_tools.endswith(after[len(before) :]):
+        return None
+    prefix = with_tools[: len(with_tools) - (len(after) - len(before))]
     head, _, tail = _render(tokenizer, [{"role": "system", "content": _PROBE}], None).partition(_PROBE)
     if len(prefix) < len(head) + len(tail) or not (prefix.startswith(head) and prefix.endswith(tail)):
         return None  # the tools are not inside one system message
