@@ -48,11 +48,6 @@ class ToolTask:
     def max_turns(self) -> int:
         return self.inner.max_turns + 2 * self.options.max_calls
 
-    @property
-    def columns(self) -> dict[str, Any]:
-        """The wrapped row's columns (dataset rows), so reward functions reach them unchanged."""
-        return getattr(self.inner, "columns", {})
-
     def prompt(self) -> list[Message]:
         messages = list(self.inner.prompt())
         system = None
@@ -84,7 +79,8 @@ class ToolTask:
         return wrapped
 
     def __getattr__(self, name: str) -> Any:
-        # the wrapped row's own fields (e.g. a reasoning-gym entry) stay readable by reward functions
+        # the wrapped row's own fields (`columns`, a reasoning-gym `entry`) stay readable by reward
+        # functions, as if no tools were offered
         if name == "inner":
             raise AttributeError(name)
         return getattr(self.inner, name)
