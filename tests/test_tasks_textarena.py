@@ -119,3 +119,8 @@ def test_tiny_model_games(tiny, opponent):
             # a seat whose opponent forfeited on the first move never spoke: no trained tokens
             assert sum(t.loss_mask) == len(t.rollout_logprobs) == sum(len(_ids(t, s)) for s in t.turns)
         assert sum(trajectories[0].loss_mask) > 0  # the first seat always moves
+
+
+def test_games_without_a_two_player_state_are_refused():
+    with pytest.raises(ValueError, match="'SantoriniBaseFixed-v0' keeps a FFAMultiPlayerState"):
+        ta_tasks.source("SantoriniBaseFixed-v0")

@@ -4,7 +4,8 @@
 
     [arena_0, player_0, arena_1, player_1]
 
-`arena_k` applies the move the previous seat just made and shows seat `k` what the game tells
+(the seat the game asks first speaks first; player_0 in every game allowed here). `arena_k`
+applies the move the previous seat just made and shows seat `k` what the game tells
 it (the rules on its first turn, then the game's messages since its last move); `player_k` is
 the trainer's policy for that seat, or a random player. `opponent`:
 
@@ -125,10 +126,11 @@ class ArenaTask:
         env = _raw(textarena.make(self.game_id))
         env.reset(num_players=2, seed=self.seed)
         game = Game(env=env)
+        first = env.state.current_player_id  # the seat the game asks first speaks first
         out: list[Participant] = []
-        for k, name in enumerate(SEATS):
+        for k in (first, 1 - first):
             out.append(Arena(game, k, self))
-            out.append(RandomMover(name) if name in self.random_seats else seat(name))
+            out.append(RandomMover(SEATS[k]) if SEATS[k] in self.random_seats else seat(SEATS[k]))
         return out
 
 
@@ -167,7 +169,7 @@ class Arena(Environment):
         state = g.env.state
         if state.current_player_id != mover:
             return
-        if getattr(state, "error_count", 0) > 0:  # the game rejected the move and asks again
+        if state.error_count > 0:  # the game rejected the move and asks again
             conv.infos["invalid_moves"] += 1
             self._finish(conv, {mover: -1.0, 1 - mover: 1.0}, f"invalid move by {SEATS[mover]}")
         else:  # a second move in a row (e.g. the other seat must pass): the lineup cannot serve it
@@ -224,6 +226,7 @@ class TextArenaSource(TaskSource):
     ):
         import textarena
         from textarena.envs.registration import ENV_REGISTRY
+        from textarena.state import TwoPlayerState
 
         if opponent not in ("self", "random", "frozen"):
             raise ValueError(f"textarena: opponent must be 'self', 'random' or 'frozen', got {opponent!r}")
@@ -234,9 +237,15 @@ class TextArenaSource(TaskSource):
             raise ValueError(f"textarena: {game_id!r} is not supported: {why}")
         check_fraction(eval_fraction, "textarena: eval_fraction")
         try:
-            _raw(textarena.make(game_id)).reset(num_players=2, seed=0)
+            env = _raw(textarena.make(game_id))
+            env.reset(num_players=2, seed=0)
         except Exception as exc:
             raise ValueError(f"textarena: {game_id!r} does not start as a two-player game: {exc}") from exc
+        if not isinstance(env.state, TwoPlayerState):
+            raise ValueError(
+                f"textarena: {game_id!r} keeps a {type(env.state).__name__}, not a TwoPlayerState, so "
+                "its invalid moves and turn order cannot be read"
+            )
         self.game_id, self.opponent, self.eval_fraction, self.max_moves = (
             game_id,
             opponent,
