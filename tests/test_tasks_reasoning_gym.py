@@ -144,3 +144,23 @@ def test_make_source_dispatches_by_family():
     for bad in ("reasoning_gym", "chess:Chess-v0", "gym:"):
         with pytest.raises(ValueError, match="expected FAMILY:NAME"):
             make_source(bad)
+
+
+def test_parse_task_args():
+    from interlens_mcore.tasks.families import make_source, parse_task_args
+
+    args = parse_task_args(["max_attempts=3", "discount=0.5", "weights=1,3", "feedback=detailed", "x=false"])
+    assert args == {"max_attempts": 3, "discount": 0.5, "weights": "1,3", "feedback": "detailed", "x": False}
+    assert parse_task_args(["configs={basic_arithmetic: {min_terms: 2}}"])["configs"] == {
+        "basic_arithmetic": {"min_terms": 2}
+    }
+    assert parse_task_args(["tag=a: b: c"])["tag"] == "a: b: c"  # not YAML: kept as text
+    for bad, why in [
+        (["novalue"], "expected KEY=VALUE"),
+        (["1x=2"], "expected KEY=VALUE"),
+        (["a=1", "a=2"], "twice"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            parse_task_args(bad)
+    src = make_source("gym:FrozenLake-v1", **parse_task_args(["is_slippery=false", "max_steps=4"]))
+    assert src.options.make_args == {"is_slippery": False} and src.options.max_steps == 4
