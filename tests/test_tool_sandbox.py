@@ -44,6 +44,8 @@ ESCAPES = [
     ("range(10 ** 12)", "a range of"),
     ("[x for x in range(10000) for y in range(10000)]", "comprehension of more than"),
     ("sum(1 for x in range(10000) for y in range(10000) if 0)", "step limit"),
+    ("[list(range(10000)) for i in range(10000)]", "comprehension of more than"),
+    ("[s for s in ['a' * 5000] * 3]", "more than 10000 items"),
     ("-" * 60 + "1", "nested deeper than"),
     ("[" * 60 + "]" * 60, "nested deeper than"),
     ("1 + " * 1000 + "1", "characters refused"),

@@ -397,11 +397,14 @@ class Sandbox:
             raise SandboxError(f"{type(target).__name__} is not allowed as a loop target")
 
     def _collect(self, items: Iterable) -> list:
-        out = []
+        # the items' own contents count as they arrive, so a comprehension of big values stops
+        # before it holds more than the limit, not after
+        cap, out, total = self.limits.max_items, [], 0
         for item in items:
             out.append(item)
-            if len(out) > self.limits.max_items:
-                raise SandboxError(f"a comprehension of more than {self.limits.max_items} items refused")
+            total += 1 + (_total_items(item, cap) if isinstance(item, _CONTAINERS) else 0)
+            if total > cap:
+                raise SandboxError(f"a comprehension of more than {cap} items in all refused")
         return out
 
     def _eval_ListComp(self, node: ast.ListComp, scope: dict) -> list:
