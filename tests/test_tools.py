@@ -301,3 +301,16 @@ def test_tiny_model_rollout_with_tools(tiny):
         assert c.infos["tool_calls"] == 0 and c.infos["attempts"] == 1  # a random model calls nothing
         assert tok.decode(t.token_ids).startswith("<|im_start|>system\nYou may call tools.")
         assert sum(t.loss_mask) == len(t.rollout_logprobs) > 0
+
+
+def test_a_row_system_message_joins_the_tools_preamble(tmp_path):
+    rows = [{"messages": [{"role": "system", "content": "be terse"}, {"role": "user", "content": "hi"}]}]
+    path = tmp_path / "m.jsonl"
+    path.write_text(json.dumps(rows[0]))
+    src = ds_tasks.source(str(path), prompt_column="messages", eval_fraction=0.0, tools=[calculator])
+    opening = src.rows(1, seed=0)[0].prompt()
+    assert [m.role for m in opening] == ["system", "user"]
+    assert (
+        opening[0].content.startswith("be terse\n\nYou may call tools.")
+        and '"calculator"' in opening[0].content
+    )
