@@ -21,6 +21,7 @@ setup(
         "megatron": ["megatron-core==0.16.1"],
         "deepspeed": ["deepspeed>=0.19,<0.20"],
         "test": ["pytest>=8", "hypothesis>=6", "ruff"],
+        "tasks": ["reasoning-gym==0.1.25", "gymnasium==1.4.0", "textarena==0.7.4", "datasets>=3"],
         "all": ["megatron-core==0.16.1", "deepspeed>=0.19,<0.20", "pytest>=8", "hypothesis>=6", "ruff"],
     },
 )
