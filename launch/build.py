@@ -32,10 +32,52 @@ def model_folder(args: Args) -> Path:
 
 
 def task_source(args: Args) -> TaskSource:
+    """--task, or --dataset, or --multi-turn-scheduler over --dataset; --tools added to any of them."""
+    la = args.launch
     try:
-        return resolve_task(args.launch.task, args.launch.task_arguments)
+        if la.multi_turn_scheduler is not None:
+            source = swift_source(args)
+        elif la.dataset is not None:
+            from interlens_mcore.tasks import dataset
+
+            source = dataset.source(la.dataset, la.prompt_column, la.eval_dataset, **la.task_arguments)
+        else:
+            source = resolve_task(la.task, la.task_arguments)
+        if la.tools is not None:
+            from interlens_mcore.tools import load_tools, with_tools
+
+            source = with_tools(source, load_tools(la.tools), tokenizer=tokenizer(args))
     except ValueError as exc:
         raise UsageError(flagify(str(exc))) from None
+    return source
+
+
+def swift_source(args: Args) -> TaskSource:
+    """`--external-plugins F.py --multi-turn-scheduler NAME --dataset rows.jsonl`, as ms-swift users type."""
+    from interlens_mcore.compat.swift import SwiftTaskSource
+    from interlens_mcore.tasks.dataset import load_rows
+
+    la = args.launch
+    if la.dataset is None:
+        raise ValueError("--multi-turn-scheduler needs --dataset (its rows reach the scheduler as data_dict)")
+    rows = [dict(r) for r in load_rows(la.dataset)]
+    eval_rows = [dict(r) for r in load_rows(la.eval_dataset)] if la.eval_dataset else []
+    return SwiftTaskSource.from_spec(
+        la.multi_turn_scheduler,
+        dataset=rows,
+        eval_dataset=eval_rows,
+        plugins=la.external_plugins,
+        max_turns=la.max_turns or None,
+        reward_key=la.reward_key,
+        train_turns=la.loss_scale,
+        scheduler_kwargs={"tokenizer": tokenizer(args)},
+    )
+
+
+def tokenizer(args: Args):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_folder(args))
 
 
 def reward_fns(args: Args) -> tuple[list[Any], list[float] | None]:
@@ -107,17 +149,15 @@ def check_heads(hf_config: dict, tp: int, where: str) -> None:
 
 def build_trainer(args: Args, source: TaskSource):
     """Collective: process groups, the backend for --backend and the GRPO trainer."""
-    from transformers import AutoTokenizer
-
     from trainers import GRPOTrainer, build_backend
 
     path = model_folder(args)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tok = tokenizer(args)
     backend, groups = build_backend(
         args.backend,
         args.trainer,
         model_path=path,
-        tokenizer=tokenizer,
+        tokenizer=tok,
         temperature=args.rollout.temperature,
         reference=args.loss.beta > 0,
         trajectories_per_rank=args.trainer.batch_size * len(source.trained_seats),
@@ -128,7 +168,7 @@ def build_trainer(args: Args, source: TaskSource):
         backend=backend,
         tasks=source,
         groups=groups,
-        tokenizer=tokenizer,
+        tokenizer=tok,
         config=args.trainer,
         rollout_config=args.rollout,
         loss_config=args.loss,

@@ -17,7 +17,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_args, get_origin, get_type_hints
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from transformers import HfArgumentParser
 
@@ -53,6 +53,27 @@ class LaunchConfig:
     no_env_reward: bool = field(
         default=False, metadata={"help": "drop the task's own reward (needs --reward)"}
     )
+    dataset: str | None = field(
+        default=None, metadata={"help": "JSONL / JSON / parquet / CSV file or save_to_disk folder of prompts"}
+    )
+    prompt_column: str = field(default="prompt", metadata={"help": "--dataset column of the prompt (text or chat)"})
+    eval_dataset: str | None = field(
+        default=None, metadata={"help": "held-out prompts (default: a hashed 5 % of --dataset)"}
+    )
+    tools: str | None = field(
+        default=None, metadata={"help": "MODULE:FN[,MODULE:FN...] Python functions the policy may call"}
+    )
+    multi_turn_scheduler: str | None = field(
+        default=None, metadata={"help": "MODULE:CLASS or registered name of an ms-swift style scheduler"}
+    )
+    external_plugins: list[str] = field(
+        default_factory=list, metadata={"help": ".py files to load first (they may register schedulers)"}
+    )
+    max_turns: int | None = field(default=None, metadata={"help": "scheduler: turn cap (0 or unset: none)"})
+    loss_scale: Literal["all", "last_round"] = field(
+        default="all", metadata={"help": "scheduler: which assistant rounds train"}
+    )
+    reward_key: str = field(default="reward", metadata={"help": "scheduler: rollout_infos key of the reward"})
     resume: bool = field(
         default=False, metadata={"help": "continue the run in --output-dir from its newest checkpoint"}
     )

@@ -195,7 +195,7 @@ class GRPOTrainer:
         cfg, rcfg = self.config, self.rollout_config
         seed = mix_seed(rcfg.seed, step, self.groups.rank)
         rows = self.tasks.rows(cfg.batch_size // rcfg.num_generations, seed=seed)
-        rollout = self.rollouter.run(rows, step, self.tasks.scheduler(), reward_key=self.tasks.reward_key)
+        rollout = self.tasks.run(self.rollouter, rows, step)
         totals, components = self.rewards.score(rollout.trajectories, rollout.rows)
         for t, r in zip(rollout.trajectories, totals, strict=True):
             t.reward = r
@@ -226,7 +226,7 @@ class GRPOTrainer:
         rows = self.tasks.eval_rows(self.config.eval_size, seed=seed)
         if not parallel.all_gather_object(bool(rows))[0]:
             return {}
-        rollout = self.rollouter.evaluate(rows, self.step)
+        rollout = self.tasks.evaluate(self.rollouter, rows, self.step)
         totals, _ = self.rewards.score(rollout.trajectories, rollout.rows)
         for t, r in zip(rollout.trajectories, totals, strict=True):
             t.reward = r

@@ -1,6 +1,9 @@
 """`--task NAME`: a task source by name, by `FAMILY:ID` of an outside task library, or `MODULE:FACTORY`.
 
     guess | duel                       our toy games
+    reasoning_gym:NAME                 a reasoning-gym dataset (or "a+b" composite), verifier as reward
+    gym:ENV_ID                         a gymnasium toy-text environment (FrozenLake-v1, Taxi-v4, ...)
+    textarena:GAME_ID                  a two-player textarena game as a two-seat lineup
     MODULE:FACTORY                     a function returning a TaskSource; MODULE is an importable
                                        module or a path to a .py file (as ms-swift's --external_plugins)
 
@@ -15,11 +18,15 @@ from typing import Any
 
 from ..plugins import load_object
 from .base import TaskSource
+from .families import FAMILIES as _LIBRARIES
+from .families import make_source
 from .toy import DuelTasks, GuessTasks
 
 TASKS: dict[str, Callable[..., TaskSource]] = {"guess": GuessTasks, "duel": DuelTasks}
-# FAMILY:ID sources: the factory takes the ID first
-FAMILIES: dict[str, Callable[..., TaskSource]] = {}
+# FAMILY:ID sources: the factory takes the ID first (outside task libraries, imported when named)
+FAMILIES: dict[str, Callable[..., TaskSource]] = {
+    family: (lambda ident, _f=family, **args: make_source(f"{_f}:{ident}", **args)) for family in _LIBRARIES
+}
 
 
 def register_task(name: str, factory: Callable[..., TaskSource], *, family: bool = False) -> None:

@@ -21,12 +21,17 @@ from pathlib import Path
 from typing import Any, get_args
 
 from ... import SamplingParams, Trajectory
+from ...rollout import Rollout
+from ...sampling import mix_seed
 from ...tasks.base import TaskSource
 from ...vote import GatherFn, local_gather
 from .driver import rollout_trajectories
 from .plugins import build_scheduler, load_plugins, resolve_scheduler
 from .scheduler import MultiTurnScheduler
 from .types import TrainTurns
+
+
+_EVAL_SALT = 0x6576616C  # evaluation seeds never repeat a training step's
 
 
 class SwiftTaskSource(TaskSource):
@@ -99,6 +104,30 @@ class SwiftTaskSource(TaskSource):
             "rows": len(self.dataset),
             "eval_rows": len(self.eval_dataset),
         }
+
+    def run(self, rollouter: Any, rows: list[dict[str, Any]], step: int) -> Rollout:
+        """The trainer's rollout of `rows` through this scheduler (collective); see `rollout`."""
+        cfg = rollouter.config
+        return self._as_rollout(rollouter, rows, step, cfg.num_generations)
+
+    def evaluate(self, rollouter: Any, rows: list[dict[str, Any]], step: int) -> Rollout:
+        return self._as_rollout(rollouter, rows, step, 1, salt=_EVAL_SALT)
+
+    def _as_rollout(self, rollouter: Any, rows: list, step: int, n: int, salt: int = 0) -> Rollout:
+        cfg = rollouter.config
+        trajectories = self.rollout(
+            rows,
+            num_generations=n,
+            engine=rollouter.engine,
+            tokenizer=rollouter.tokenizer,
+            sampling=cfg.sampling,
+            seed=mix_seed(cfg.seed, step, salt),
+            gather_fn=rollouter.groups.gather_fn(),
+            # request indices and seeds must be unique across every rank of the world
+            rank=rollouter.groups.rank,
+            step_timeout_s=cfg.step_timeout_s,
+        )
+        return Rollout(trajectories=trajectories, rows=[rows[t.group] for t in trajectories])
 
     def rollout(
         self,
