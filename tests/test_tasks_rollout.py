@@ -44,13 +44,11 @@ def test_family_rollouts_and_evaluation(tiny, spec, args):
     rollout = trainer.generate_rollouts(src.rows(2, seed=0), step=0)
     _check(trainer, rollout, src.trained_seats)
     assert len(rollout.trajectories) == 2 * 2 * len(src.trained_seats)
-    scores = trainer.evaluate(src.eval_rows(1, seed=0), step=0)
-    assert all(k.startswith(("reward/", "win_rate/")) for k in scores)
+    evaluated = trainer.evaluate(src.eval_rows(1, seed=0), step=0)
+    # every evaluated seat reports how it did: a win rate per seat, or solved / not
+    assert all(t.infos["success"] in (0.0, 0.5, 1.0) for t in evaluated.trajectories)
     if spec.startswith("textarena"):
-        assert sorted(k for k in scores if k.startswith("win_rate")) == [
-            "win_rate/player_0",
-            "win_rate/player_1",
-        ]
+        assert {t.participant for t in evaluated.trajectories} == {"player_0", "player_1"}
     else:
         assert all(c.infos["success"] in (0.0, 1.0) for c in rollout.conversations)
 
@@ -61,12 +59,9 @@ def test_dataset_with_tools_and_a_reward_function(tmp_path, tiny):
     src = with_tools(ds_tasks.source(str(path), eval_fraction=0.0), [calculator], tokenizer=tiny[1])
 
     class Scored(ForeignTrainer):  # a dataset has no environment reward: a reward function scores it
-        def compute_rewards(self, conversations, trajectories):
-            by_id = {c.id: c for c in conversations}
-            return [
-                float(str(by_id[t.infos["conversation"]].messages[-1].content).isdigit())
-                for t in trajectories
-            ]
+        def compute_rewards(self, trajectories, rows):
+            assert all(row.columns["answer"] >= 1 for row in rows)  # every column reaches the reward
+            return [float(t.infos["messages"][-1]["content"].isdigit()) for t in trajectories]
 
     trainer = Scored(*tiny, num_generations=2)
     rollout = trainer.generate_rollouts(src.rows(3, seed=0), step=0)

@@ -30,7 +30,6 @@ from .plugins import build_scheduler, load_plugins, resolve_scheduler
 from .scheduler import MultiTurnScheduler
 from .types import TrainTurns
 
-
 _EVAL_SALT = 0x6576616C  # evaluation seeds never repeat a training step's
 
 
