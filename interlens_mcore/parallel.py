@@ -7,6 +7,8 @@ group has one rank or torch.distributed is not initialised.
 from __future__ import annotations
 
 import pickle
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -402,6 +404,15 @@ def _dcp_state(blocks: dict[str, Block], plain: dict[str, Any], group: Any) -> d
     return {**plain, **{k: _sharded_tensor(b, group) for k, b in blocks.items()}}
 
 
+@contextmanager
+def _quiet_sharded_tensor():
+    # torch warns that ShardedTensor is deprecated in favour of DTensor on every use; DTensor
+    # needs a device mesh of the whole TP x DP grid, while these blocks need only the TP group
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*DTensor instead.*ShardedTensor", category=FutureWarning)
+        yield
+
+
 def save_sharded(
     folder: str | Path, blocks: dict[str, Block], plain: dict[str, Any], group: Any = None
 ) -> None:
@@ -413,7 +424,8 @@ def save_sharded(
     """
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_dcp_state(blocks, plain, group), checkpoint_id=str(folder))
+    with _quiet_sharded_tensor():
+        dcp.save(_dcp_state(blocks, plain, group), checkpoint_id=str(folder))
 
 
 def saved_shapes(folder: str | Path) -> dict[str, tuple[int, ...] | None]:
@@ -436,6 +448,7 @@ def load_sharded(
     """
     import torch.distributed.checkpoint as dcp
 
-    state = _dcp_state(blocks, plain, group)
-    dcp.load(state, checkpoint_id=str(folder))
+    with _quiet_sharded_tensor():
+        state = _dcp_state(blocks, plain, group)
+        dcp.load(state, checkpoint_id=str(folder))
     return {k: state[k] for k in plain}

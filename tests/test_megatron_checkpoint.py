@@ -123,7 +123,7 @@ def test_saved_at_tp2_loads_at_tp1_exactly(resharded):
 def test_steps_after_resharding_equal_continuing_at_tp2(resharded):
     results, _ = resharded
     for r in results:
-        # float32 rounding of TP=2 vs TP=1 matmuls only; measured about 1e-6 on values of scale ~3
+        # float32 rounding of TP=2 vs TP=1 matmuls only; measured 3.1e-7 on values of scale 4
         assert r["resumed_vs_continued"] < 1e-4 * r["scale"], r
 
 

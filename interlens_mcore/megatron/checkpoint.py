@@ -38,11 +38,11 @@ from pathlib import Path
 import torch
 
 from .. import parallel
-from .convert import ParamRule, _checked_rules, _join
+from .convert import MEGATRON_MARKER, ParamRule, _checked_rules, _join
 from .model import ModelLayout
 
 FORMAT = "interlens_mcore.megatron.checkpoint/1"
-MARKER, WEIGHTS = "megatron.json", "weights"
+MARKER, WEIGHTS = MEGATRON_MARKER, "weights"
 OPTIMIZER = "optimizer"
 
 
@@ -155,6 +155,7 @@ def save(
             "hidden_size": layout.hidden_size,
             "vocab_size": layout.vocab_size,
             "saved_tp_size": layout.tp_size,
+            "dtype": str(model.embedding.word_embeddings.weight.dtype).removeprefix("torch."),
             "optimizer": optimizer is not None,
         }
         (folder / MARKER).write_text(json.dumps(marker, indent=1, sort_keys=True))
