@@ -311,9 +311,9 @@ class WorldFailure(RuntimeError):
         self.failures, self.lost = failures, lost
         if failures:
             rank_, cause = failures[0]
-            others = (
-                f" (ranks {', '.join(str(r) for r, _ in failures[1:])} failed too)" if failures[1:] else ""
-            )
+            rest = [str(r) for r, _ in failures[1:]]
+            plural = "s" if len(rest) > 1 else ""
+            others = f" (rank{plural} {', '.join(rest)} failed too)" if rest else ""
             message = f"rank {rank_} failed: {cause}{others}"
         else:
             message = f"a rank left the world before reporting ({lost})"
