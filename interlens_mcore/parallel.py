@@ -452,3 +452,24 @@ def load_sharded(
         state = _dcp_state(blocks, plain, group)
         dcp.load(state, checkpoint_id=str(folder))
     return {k: state[k] for k in plain}
+
+
+def check_layout(*, tp: int, pp: int = 1, cp: int = 1, world: int | None = None) -> None:
+    """ValueError naming the flag for a parallel layout the trainers cannot run yet.
+
+    Pipeline and context parallelism are described in docs/parallelism.md and refused until
+    they are tested. Imports nothing of megatron, so a launcher can call it first.
+    """
+    world = world_size() if world is None else world
+    if pp != 1:
+        raise ValueError(
+            f"--pp {pp}: pipeline parallelism is not supported yet (docs/parallelism.md says how it "
+            "would fit); use --pp 1"
+        )
+    if cp != 1:
+        raise ValueError(
+            f"--cp {cp}: context parallelism is not supported yet (docs/parallelism.md says how it "
+            "would fit); use --cp 1"
+        )
+    if tp < 1 or world % tp:
+        raise ValueError(f"--tp {tp} does not divide the world size {world}")
