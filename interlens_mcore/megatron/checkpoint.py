@@ -14,19 +14,23 @@ conversion (`convert.param_map`), so one description serves both:
   515 describe the same stored tensor;
 - "replicated" (norms): a plain tensor, written once.
 
-Optimizer state (torch optimizers such as AdamW: per-parameter tensors shaped like the
-parameter, plus scalars like `step`) is stored under `optimizer.<state>.<parameter name>` with
-the parameter's split, so it reshards the same way. Hyperparameters of the parameter groups
-are stored as an object.
+Optimizer state of a torch optimizer (AdamW on the CPU path: per-parameter tensors shaped
+like the parameter, plus scalars like `step`) is stored under `optimizer.<state>.<parameter
+name>` with the parameter's split, so it reshards the same way; the hyperparameters of its
+parameter groups are stored as an object. A megatron optimizer (the GPU path: fp32 main
+weights and moments, sharded over DP by the distributed optimizer) is stored by megatron's
+own `dist_checkpointing` under `optimizer/`, built against the model's `sharded_state_dict`.
 
-megatron-core's own `dist_checkpointing.save` (torch_dist strategy) is not used: in 0.16 its
-writer calls `torch.cuda.synchronize()` and starts a multiprocessing manager, so it cannot run
-on CPU ranks. The files are DCP's own format; `saved_tensors` lists what a folder holds.
+The model does not go through megatron-core's `dist_checkpointing.save` (torch_dist
+strategy): in 0.16 its writer calls `torch.cuda.synchronize()` and starts a multiprocessing
+manager, so it cannot run on CPU ranks. The files are DCP's own format; `saved_tensors` lists
+what a folder holds.
 
 Layout of a checkpoint folder::
 
     megatron.json    format, model family and shapes, the TP size that wrote it
-    weights/         DCP files (.metadata, __<rank>_<n>.distcp)
+    weights/         DCP files (.metadata, __<rank>_<n>.distcp): the model, a torch optimizer
+    optimizer/       a megatron optimizer's state (GPU path only)
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from __future__ import annotations
 import json
 import pickle
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -128,21 +133,38 @@ def _groups_hyperparameters(optimizer: torch.optim.Optimizer) -> bytes:
 # ---- save / load ----
 
 
+def _split(optimizer: Any) -> tuple[torch.optim.Optimizer | None, Any]:
+    """(a torch optimizer, a megatron one): at most one is not None."""
+    if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer, None
+    from megatron.core.optimizer import MegatronOptimizer
+
+    if not isinstance(optimizer, MegatronOptimizer):
+        raise ValueError(
+            f"optimizer must be a torch optimizer or a MegatronOptimizer, got {type(optimizer).__name__}"
+        )
+    return None, optimizer
+
+
 def save(
     folder: str | Path,
     model: torch.nn.Module,
     layout: ModelLayout,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: Any = None,
 ) -> Path:
     """Write the bare GPTModel (and the optimizer's state) under `folder`; collective over the world.
+
+    `optimizer`: a torch optimizer over `model.parameters()` (CPU path) or a MegatronOptimizer
+    (GPU path), or None.
 
     Every DP replica takes part; each block is written once. Returns `folder`.
     """
     folder = Path(folder)
-    blocks, plain, _ = _entries(model, layout, optimizer)
+    torch_optimizer, megatron_optimizer = _split(optimizer)
+    blocks, plain, _ = _entries(model, layout, torch_optimizer)
     objects: dict = {}
-    if optimizer is not None:
-        objects[f"{OPTIMIZER}.param_groups"] = _groups_hyperparameters(optimizer)
+    if torch_optimizer is not None:
+        objects[f"{OPTIMIZER}.param_groups"] = _groups_hyperparameters(torch_optimizer)
     if parallel.rank() == 0:
         folder.mkdir(parents=True, exist_ok=True)
     parallel.barrier()
@@ -156,11 +178,43 @@ def save(
             "vocab_size": layout.vocab_size,
             "saved_tp_size": layout.tp_size,
             "dtype": str(model.embedding.word_embeddings.weight.dtype).removeprefix("torch."),
-            "optimizer": optimizer is not None,
+            "optimizer": None if optimizer is None else ("megatron" if megatron_optimizer else "torch"),
         }
         (folder / MARKER).write_text(json.dumps(marker, indent=1, sort_keys=True))
+    if megatron_optimizer is not None:
+        _save_megatron_optimizer(folder, model, megatron_optimizer)
     parallel.barrier()
     return folder
+
+
+# ---- megatron's optimizers (GPU path): megatron's own sharded state, through dist_checkpointing ----
+
+
+def _save_megatron_optimizer(folder: Path, model: torch.nn.Module, optimizer) -> None:
+    """A MegatronOptimizer's state (fp32 main weights, Adam moments; sharded over DP by the
+    distributed optimizer) in megatron's dist_checkpointing format under `folder/optimizer/`.
+
+    Its sharded state dict is built against the model's own `sharded_state_dict`, which
+    megatron reshards across TP and DP on load. CUDA only (megatron's writer synchronises
+    the device); the GPU check exercises it.
+    """
+    from megatron.core import dist_checkpointing
+
+    target = folder / OPTIMIZER
+    if parallel.rank() == 0:
+        target.mkdir(parents=True, exist_ok=True)
+    parallel.barrier()
+    dist_checkpointing.save(optimizer.sharded_state_dict(model.sharded_state_dict()), str(target))
+
+
+def _load_megatron_optimizer(folder: Path, model: torch.nn.Module, optimizer) -> None:
+    from megatron.core import dist_checkpointing
+
+    target = folder / OPTIMIZER
+    if not target.is_dir():
+        raise ValueError(f"checkpoint {folder} holds no megatron optimizer state (no {OPTIMIZER}/)")
+    request = optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=True)
+    optimizer.load_state_dict(dist_checkpointing.load(request, str(target)))
 
 
 def saved_tensors(folder: str | Path) -> dict[str, tuple[int, ...] | None]:
@@ -174,7 +228,7 @@ def load(
     folder: str | Path,
     model: torch.nn.Module,
     layout: ModelLayout,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: Any = None,
 ) -> None:
     """Fill the bare GPTModel (and the optimizer) from a checkpoint written at any TP; collective.
 
@@ -185,6 +239,7 @@ def load(
     folder = Path(folder)
     saved = saved_tensors(folder)
     _, params = _checked_rules(model, layout)
+    optimizer, megatron_optimizer = _split(optimizer)
     if optimizer is not None:
         _prepare_state(optimizer, params, saved, folder)
     blocks, plain, _ = _entries(model, layout, optimizer)
@@ -205,6 +260,9 @@ def load(
         hyperparameters = pickle.loads(loaded[f"{OPTIMIZER}.param_groups"])
         for group, hyper in zip(optimizer.param_groups, hyperparameters, strict=True):
             group.update(hyper)
+    if megatron_optimizer is not None:
+        # after the model: megatron's optimizer copies its fp32 main weights from the state
+        _load_megatron_optimizer(folder, model, megatron_optimizer)
 
 
 def _prepare_state(optimizer: torch.optim.Optimizer, params: dict, saved: dict, folder: Path) -> None:

@@ -138,7 +138,8 @@ class Training:
         # DDP averages over DP, but the loss is already divided by global counts
         loss = loss * self.dp_size
         if self.path == "megatron":
-            loss = self.optimizer.scale_loss(loss)
+            scale = self.optimizer.get_loss_scale()  # a CUDA tensor; the loss may come from the CPU
+            loss = loss.to(scale.device) * scale
         loss.backward()
 
     def step(self) -> float:
