@@ -4,8 +4,10 @@
 
 Two processes, gloo, the trainers' default timeout (1800 s). Rank 1 SIGKILLs itself while
 rank 0 is in a collective (`all_reduce`, `all_gather_object`, `check_world`), or while rank 0
-is still computing and enters the collective 2 s after the kill ("late"). Prints one JSON
-line: for each case, the seconds from the kill to rank 0's exception and its first line.
+is still computing and enters the collective 2 s after the kill ("late"). Then the same under
+torchrun, with rank 0 busy for 10 minutes without a collective (a long rollout): the seconds
+from the kill until torchrun has stopped the survivor and exited ("torchrun_busy"). Prints
+one JSON line: for each case, the seconds after the kill and the survivor's first error line.
 """
 
 from __future__ import annotations
@@ -80,9 +82,45 @@ def measure(case: str) -> dict:
     return {"seconds_after_kill": round(at - killed_at, 3), "error": message}
 
 
+def _torchrun_worker(kill_file: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=1800))
+    dist.barrier()
+    if dist.get_rank() == 1:
+        time.sleep(1.0)
+        Path(kill_file).write_text(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(600)  # a long rollout: no collective to notice the loss
+
+
+def measure_torchrun() -> dict:
+    import subprocess
+
+    kill_file = f"/tmp/peer_kill_{os.getpid()}_torchrun"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    done = subprocess.run(
+        [*cmd, __file__, "--torchrun-worker", kill_file], capture_output=True, text=True, timeout=300
+    )
+    ended = time.time()
+    killed_at = float(Path(kill_file).read_text())
+    os.unlink(kill_file)
+    signals = [line.strip() for line in done.stderr.splitlines() if "exitcode" in line and "(pid" in line]
+    return {
+        "seconds_after_kill": round(ended - killed_at, 3),
+        "torchrun_rc": done.returncode,
+        "workers": signals,
+    }
+
+
 def main() -> None:
-    print(json.dumps({"benchmark": "peer_kill", "timeout_s": 1800, **{c: measure(c) for c in CASES}}))
+    cases = {c: measure(c) for c in CASES}
+    cases["torchrun_busy"] = measure_torchrun()
+    print(json.dumps({"benchmark": "peer_kill", "timeout_s": 1800, **cases}))
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--torchrun-worker"]:
+        _torchrun_worker(sys.argv[2])
+    else:
+        main()
