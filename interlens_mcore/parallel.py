@@ -345,6 +345,8 @@ def check_world(error: BaseException | None, group: Any = None) -> None:
     group (`world_check_group`): never NCCL, whose watchdog would abort the process instead.
     """
     mine = None if error is None else _describe(error)
+    if world_size(group) > 1 and dist.get_backend(group) != "gloo":
+        raise ValueError("check_world needs a gloo group (parallel.world_check_group), not the NCCL world")
     if world_size(group) == 1:
         if mine is not None:
             raise WorldFailure([(rank(), mine)]) from error

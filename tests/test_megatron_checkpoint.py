@@ -66,7 +66,9 @@ def _reshard_job(rank, world_size, path: str, root: str):
     saved_at_tp2 = ckpt.full_tensors(model, layout, opt)
     _steps(model, layout, opt, 2)
     continued = ckpt.full_tensors(model, layout, opt)
-    out["padded_rows"] = [float(model.embedding.word_embeddings.weight[-1].abs().max())] if rank == 1 else []
+    out["padded_rows"] = (
+        [float(model.embedding.word_embeddings.weight[-1].detach().abs().max())] if rank == 1 else []
+    )
     parallel_state.destroy_model_parallel()
 
     layout, model, opt = setup(1, from_hf=False)
@@ -160,3 +162,16 @@ def test_an_hf_folder_is_not_a_megatron_checkpoint(tiny_llama_path, tmp_path):
     (tmp_path / "weights").mkdir()
     with pytest.raises(ValueError, match="format 'other/9', expected"):
         ckpt.read_marker(tmp_path)
+
+
+def test_transformer_engine_norm_names_are_stored_under_the_local_names():
+    from interlens_mcore.megatron.checkpoint import storage_key
+
+    # a TE model (GPU) and a local-spec model (CPU) read each other's checkpoints
+    assert storage_key("decoder.layers.3.self_attention.linear_qkv.layer_norm_weight") == (
+        "decoder.layers.3.input_layernorm.weight"
+    )
+    assert storage_key("decoder.layers.0.mlp.linear_fc1.layer_norm_weight") == (
+        "decoder.layers.0.pre_mlp_layernorm.weight"
+    )
+    assert storage_key("decoder.layers.0.mlp.linear_fc1.weight") == "decoder.layers.0.mlp.linear_fc1.weight"

@@ -100,6 +100,22 @@ def _block(rule: ParamRule, layout: ModelLayout, tensor: torch.Tensor) -> parall
     return parallel.Block(local=local, global_shape=gshape, offsets=offsets, shapes=(lshape,) * tp)
 
 
+# Transformer Engine's spec fuses the two norms into the linears that follow them; checkpoints
+# store them under the local spec's names, so a TE model and a local one read each other's
+_TE_NORMS = {
+    ".self_attention.linear_qkv.layer_norm_weight": ".input_layernorm.weight",
+    ".mlp.linear_fc1.layer_norm_weight": ".pre_mlp_layernorm.weight",
+}
+
+
+def storage_key(name: str) -> str:
+    """The key a parameter is stored under: its name in megatron's local spec."""
+    for te, local in _TE_NORMS.items():
+        if name.endswith(te):
+            return name[: -len(te)] + local
+    return name
+
+
 def _entries(
     model: torch.nn.Module, layout: ModelLayout, optimizer: torch.optim.Optimizer | None
 ) -> tuple[dict[str, parallel.Block], dict[str, torch.Tensor], dict[str, ParamRule]]:
@@ -116,12 +132,12 @@ def _entries(
             blocks[key] = block
 
     for rule in rules:
-        param = params[rule.megatron]
-        add(rule.megatron, rule, param.data)
+        param, key = params[rule.megatron], storage_key(rule.megatron)
+        add(key, rule, param.data)
         if optimizer is not None:
             for state_key, value in optimizer.state.get(param, {}).items():
                 if isinstance(value, torch.Tensor):
-                    add(f"{OPTIMIZER}.{state_key}.{rule.megatron}", rule, value)
+                    add(f"{OPTIMIZER}.{state_key}.{key}", rule, value)
     return blocks, plain, by_key
 
 
@@ -268,7 +284,7 @@ def load(
 def _prepare_state(optimizer: torch.optim.Optimizer, params: dict, saved: dict, folder: Path) -> None:
     """Give every parameter the state tensors the checkpoint holds, so DCP can load into them."""
     prefix = f"{OPTIMIZER}."
-    names = {id(p): n for n, p in params.items()}
+    names = {id(p): storage_key(n) for n, p in params.items()}
     if f"{prefix}param_groups" not in saved:
         raise ValueError(f"checkpoint {folder} holds no optimizer state (saved without an optimizer)")
     state_keys = sorted(

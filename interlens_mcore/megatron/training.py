@@ -250,7 +250,7 @@ def build_training(
         train_model=wrapped,
         optimizer=optimizer,
         dp_size=groups.dp_size,
-        tp_group=groups.tp,
+        tp_group=groups.tp if groups.tp is not None else parallel.megatron_tp_group(),
         tp_shards=tp_sharded(model),
         grad_clip=options.grad_clip,
     )

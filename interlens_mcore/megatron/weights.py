@@ -45,7 +45,7 @@ def stored_dtype(path: str | Path) -> torch.dtype:
         with safe_open(files[0], framework="pt") as f:
             key = next(iter(f.keys()))
             name = str(f.get_slice(key).get_dtype())
-        name = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(name, name)
+        name = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(name, name)
     return getattr(torch, name.removeprefix("torch."))
 
 
