@@ -68,7 +68,13 @@ def load_model(path: str | Path, **build_kwargs) -> tuple[torch.nn.Module, Model
     return model, layout
 
 
-def _copy_hf_files(src: Path, out: Path) -> None:
+def copy_hf_files(src: str | Path, out: str | Path) -> None:
+    """Copy the HF config, generation config and tokenizer files of `src` into `out` (no weights).
+
+    A sharded checkpoint that carries them is a complete model folder: `load_model`,
+    `AutoTokenizer` and launch/convert.py take it as they take an HF folder.
+    """
+    src, out = Path(src), Path(out)
     for f in src.iterdir():
         if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES) and f.name not in CHECKPOINT_FILES:
             shutil.copy2(f, out / f.name)
@@ -83,7 +89,7 @@ def hf_to_megatron(hf_folder: str | Path, out_dir: str | Path) -> Path:
     model, layout = load_model(hf_folder, params_dtype=stored_dtype(hf_folder))
     checkpoint.save(out, model, layout)
     if parallel.rank() == 0:
-        _copy_hf_files(hf_folder, out)
+        copy_hf_files(hf_folder, out)
     parallel.barrier()
     return out
 
