@@ -14,6 +14,7 @@ from typing import Any
 
 from cli import Args, UsageError, flagify
 
+from interlens_mcore import parallel
 from interlens_mcore.plugins import load_object
 from interlens_mcore.rewards import environment_reward, reward_name
 from interlens_mcore.tasks import TaskSource, resolve_task
@@ -105,8 +106,10 @@ def reward_fns(args: Args) -> tuple[list[Any], list[float] | None]:
 def check(args: Args) -> TaskSource:
     """Every check that needs no process group; returns the task source."""
     b, t, r = args.backend, args.trainer, args.rollout
-    if world_size() % b.tp:
-        raise UsageError(f"--tp {b.tp} does not divide the world size {world_size()}")
+    try:
+        parallel.check_layout(tp=b.tp, pp=b.pp, cp=b.cp, world=world_size())
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     if t.batch_size % r.num_generations:
         raise UsageError(
             f"--num-generations {r.num_generations} does not fit --batch-size {t.batch_size}: "
@@ -114,6 +117,11 @@ def check(args: Args) -> TaskSource:
         )
     if b.model is not None and not (Path(b.model) / "config.json").is_file():
         raise UsageError(f"--model {b.model}: not an HF checkpoint folder (no config.json)")
+    if b.model is not None and b.backend == "deepspeed" and (Path(b.model) / "megatron.json").is_file():
+        raise UsageError(
+            f"--model {b.model}: a sharded megatron checkpoint; --backend deepspeed needs an HF folder "
+            "(convert it: launch/convert.py --megatron IN --hf OUT)"
+        )
     folder = model_folder(args)
     check_heads(json.loads((folder / "config.json").read_text()), b.tp, str(folder))
     if args.launch.export_hf is not None and b.backend != "megatron":
@@ -122,7 +130,9 @@ def check(args: Args) -> TaskSource:
     reward_fns(args)
     if t.output_dir is not None:
         try:
-            rundir.check(Path(t.output_dir), run_info(args, source), resume=args.launch.resume)
+            rundir.check(
+                Path(t.output_dir), run_info(args, source), resume=args.launch.resuming(t.output_dir)
+            )
         except rundir.RunDirError as exc:
             raise UsageError(str(exc)) from None
     return source

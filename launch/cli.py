@@ -26,6 +26,7 @@ from interlens_mcore.rollout import RolloutConfig
 from trainers.config import BackendConfig, TrainerConfig
 
 REPEATABLE = ("--reward", "--reward-weights", "--reward_weights")
+RESUME = ("no", "yes", "auto")
 
 
 class UsageError(ValueError):
@@ -56,9 +57,11 @@ class LaunchConfig:
     dataset: str | None = field(
         default=None, metadata={"help": "JSONL / JSON / parquet / CSV file or save_to_disk folder of prompts"}
     )
-    prompt_column: str = field(default="prompt", metadata={"help": "--dataset column of the prompt (text or chat)"})
+    prompt_column: str = field(
+        default="prompt", metadata={"help": "--dataset column of the prompt (text or chat)"}
+    )
     eval_dataset: str | None = field(
-        default=None, metadata={"help": "held-out prompts (default: a hashed 5 % of --dataset)"}
+        default=None, metadata={"help": "held-out prompts (default: a hashed twentieth of --dataset)"}
     )
     tools: str | None = field(
         default=None, metadata={"help": "MODULE:FN[,MODULE:FN...] Python functions the policy may call"}
@@ -74,16 +77,25 @@ class LaunchConfig:
         default="all", metadata={"help": "scheduler: which assistant rounds train"}
     )
     reward_key: str = field(default="reward", metadata={"help": "scheduler: rollout_infos key of the reward"})
-    resume: bool = field(
-        default=False, metadata={"help": "continue the run in --output-dir from its newest checkpoint"}
+    resume: str = field(
+        default="no",
+        metadata={"help": "continue the run in --output-dir (--resume); auto: continue it if there is one"},
     )
     export_hf: str | None = field(
         default=None, metadata={"help": "write the trained model as an HF folder here"}
     )
 
     def __post_init__(self) -> None:
+        if self.resume not in RESUME:
+            raise ValueError(f"LaunchConfig.resume must be one of {', '.join(RESUME)}, got {self.resume!r}")
         if not isinstance(self.task_arguments, dict):
             raise ValueError(f"LaunchConfig.task_args must be a JSON object, got {self.task_args!r}")
+
+    def resuming(self, output_dir: str | None) -> bool:
+        """--resume, or --resume auto with a run already in `output_dir` (a restarted worker's case)."""
+        if self.resume == "auto":
+            return output_dir is not None and (Path(output_dir) / "run.json").is_file()
+        return self.resume == "yes"
 
     @property
     def task_arguments(self) -> dict[str, Any]:
@@ -164,7 +176,14 @@ def _merge_repeated(argv: list[str]) -> list[str]:
             i += 1
     for name, values in merged.items():
         out.extend([name, *values])
-    return out
+    # a bare --resume means yes (the flag users know); --resume auto / no are the other values
+    return [
+        x
+        for k, a in enumerate(out)
+        for x in (
+            [a, "yes"] if a == "--resume" and (k + 1 == len(out) or out[k + 1].startswith("--")) else [a]
+        )
+    ]
 
 
 def parse(argv: list[str] | None, description: str, extra: tuple = ()) -> Args:

@@ -3,6 +3,7 @@
     torchrun --nproc_per_node=2 launch/train_grpo.py
     torchrun --nproc_per_node=2 launch/train_grpo.py --backend deepspeed --zero-stage 3
     torchrun --nproc_per_node=2 launch/train_grpo.py --output-dir runs/grpo --resume
+    torchrun --nproc_per_node=2 --max-restarts 3 launch/train_grpo.py --output-dir runs/grpo --resume auto
     torchrun --nproc_per_node=2 launch/train_grpo.py --task mymodule:make_tasks --reward mymodule:reward
     torchrun --nproc_per_node=2 launch/train_grpo.py --config run.yaml --steps 20
 
@@ -52,13 +53,16 @@ def main(argv: list[str] | None = None) -> int:
         if parallel.rank() == 0:
             print(f"config: {trainer.run_info}", file=sys.stderr)
         try:
-            start = trainer.resume() if args.launch.resume else 0
+            start = trainer.resume() if args.launch.resuming(args.trainer.output_dir) else 0
             if parallel.rank() == 0 and start:
                 print(f"resuming at step {start} of {args.trainer.steps}", file=sys.stderr)
             trainer.train()
         except (NoIntactCheckpoint, RunDirError) as exc:  # every rank raises it together
             _say(str(exc))
             return 2
+        except parallel.WorldFailure as exc:  # on every rank: its last line names the cause
+            print(f"train_grpo.py: error: {exc}", file=sys.stderr)
+            return 1
         if args.launch.export_hf:
             trainer.export_hf(args.launch.export_hf)
     finally:

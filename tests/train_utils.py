@@ -90,7 +90,7 @@ def evaluations(out: Path) -> list[dict]:
 
 
 def train_main():
-    """`launch/train_grpo.py`'s `main`, imported into this process (for checks that run before torchrun's part)."""
+    """`launch/train_grpo.py`'s `main` in this process (for the checks that run before any process group)."""
     import importlib
 
     launch = str(ROOT / "launch")

@@ -92,7 +92,9 @@ class BackendConfig:
     model: str | None = field(
         default=None, metadata={"help": "HF checkpoint folder (default: the tiny local model)"}
     )
-    tp: int = field(default=1, metadata={"help": "tensor-parallel size (megatron)"})
+    tp: int = field(default=1, metadata={"help": "tensor-parallel size (megatron); may change on --resume"})
+    pp: int = field(default=1, metadata={"help": "pipeline-parallel size (only 1 yet: docs/parallelism.md)"})
+    cp: int = field(default=1, metadata={"help": "context-parallel size (only 1 yet: docs/parallelism.md)"})
     zero_stage: Literal[1, 2, 3] = field(default=3, metadata={"help": "DeepSpeed ZeRO stage"})
 
     def __post_init__(self) -> None:

@@ -80,6 +80,7 @@ class GRPOTrainer:
         reward_weights: Sequence[float] | None = None,
         loss_fn: Callable = batch_loss,
         run_info: dict | None = None,
+        world_check_timeout_s: float = 1800.0,
     ):
         self.config = config = config or TrainerConfig()
         self.rollout_config = rollout_config or RolloutConfig()
@@ -115,6 +116,8 @@ class GRPOTrainer:
         )
         self.run_info = {**described, **(run_info or {}), "output_dir": str(self.output_dir)}
         self.step, self.skipped_steps, self.resumed = 0, 0, False
+        # a failure on any rank reaches every rank of the world as its named cause, at once
+        self.world_check = parallel.world_check_group(timeout_s=world_check_timeout_s)
 
     def check_micro_batches(self) -> None:
         expected = self.backend.micro_batches
@@ -146,7 +149,7 @@ class GRPOTrainer:
         try:
             while self.step < cfg.steps:
                 due = cfg.eval_every and self.step % cfg.eval_every == 0
-                evaluated = self.evaluation() if due else {}
+                evaluated = self.together(self.evaluation) if due else {}
                 rec, rollout = self.train_step()
                 rec = record.json_ready({**rec, **evaluated})
                 report.log(rec)
@@ -158,7 +161,7 @@ class GRPOTrainer:
                     state.save_checkpoint(self)
                     report.plot()
             if cfg.eval_every:  # the weights the run ends with
-                report.log({"step": self.step, **self.evaluation()})
+                report.log({"step": self.step, **self.together(self.evaluation)})
         finally:
             report.close(steps=self.step)
             if lock is not None:
@@ -169,7 +172,7 @@ class GRPOTrainer:
         """One rollout and its `updates_per_rollout` optimizer steps; returns (record, rollout)."""
         rcfg = self.rollout_config
         t0 = time.perf_counter()
-        rollout, components = self.scored_rollout(self.step)
+        rollout, components = self.together(self.scored_rollout, self.step)
         shared = self.share_over_tp(rollout)
         t1 = time.perf_counter()
         batches = micro_batches(
@@ -189,6 +192,20 @@ class GRPOTrainer:
             "train_s": round(t2 - t1, 3),
         }
         return rec, rollout
+
+    def together(self, fn: Callable, *args: Any) -> Any:
+        """`fn(*args)`, then the world agrees that no rank failed (`parallel.check_world`).
+
+        A rank whose rollout raised (its environment, its reward function) would otherwise leave
+        ranks that vote alone (TP=1 x DP=2) to fail later with a transport error naming nothing.
+        """
+        error, out = None, None
+        try:
+            out = fn(*args)
+        except Exception as exc:  # reported to every rank, re-raised below as WorldFailure
+            error = exc
+        parallel.check_world(error, self.world_check)
+        return out
 
     def scored_rollout(self, step: int) -> tuple[Rollout, dict[str, list[float]]]:
         """This rank's rollout of `step` with rewards and advantages set, and each reward's values."""

@@ -6,24 +6,27 @@ distinct conversations to each (collective) generation call, then share their tr
 because a TP forward needs identical inputs on every rank of the group (the GRPO loop does
 that for any backend whose groups have TP > 1).
 
-On CPU megatron's DistributedDataParallel and optimizer need CUDA, so gradients are averaged
-by torch DDP over the DP group and a torch AdamW steps; on GPU megatron's own are used.
+Training goes through one seam (`interlens_mcore.megatron.training`): on GPU megatron's own
+DistributedDataParallel and distributed optimizer (bf16 weights, fp32 main weights); on CPU,
+where those need CUDA, torch DDP over the DP group and a torch AdamW. Checkpoints are sharded
+(`interlens_mcore.megatron.checkpoint`) and reshard: a run saved at TP=2 resumes at TP=1.
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 from interlens_mcore import parallel
 from interlens_mcore.batch import TrainingBatch
 from interlens_mcore.logprobs import token_logprobs, vocab_parallel_token_logprobs
-from interlens_mcore.megatron import build_model, export_hf, forward_logits, load_hf_weights, load_layout
+from interlens_mcore.megatron import build_model, export_hf, forward_logits, load_layout
+from interlens_mcore.megatron import checkpoint as megatron_checkpoint
 from interlens_mcore.megatron.engine import MegatronEngine
 from interlens_mcore.megatron.model import vocab_start
+from interlens_mcore.megatron.training import TrainingOptions, build_training, choose_path, model_overrides
+from interlens_mcore.megatron.weights import copy_hf_files, load_weights
 
 
 class MegatronBackend:
@@ -46,28 +49,40 @@ class MegatronBackend:
         grad_clip: float = 1.0,
         temperature: float = 1.0,
         reference: bool = False,
+        seed: int = 0,
     ):
-        self.groups, self.grad_clip, self.temperature = groups, grad_clip, temperature or 1.0
+        self.groups, self.temperature = groups, temperature or 1.0
         self._frozen_engine = None  # a frozen opponent's: built on first use
-        self.model_path = Path(model_path)
+        self.model_path = Path(model_path)  # an HF folder or a sharded megatron checkpoint
         self.layout_info = load_layout(self.model_path)
-        self.model = build_model(self.layout_info, init_weights=False)
-        load_hf_weights(self.model, self.layout_info, self.model_path)
+        options = TrainingOptions(lr=lr, weight_decay=weight_decay, grad_clip=grad_clip)
+        self.path = choose_path()  # megatron's DDP and optimizer on GPU, torch's on CPU
+        overrides = model_overrides(options, path=self.path, tp_size=self.layout_info.tp_size)
+        self.params_dtype = overrides.pop("params_dtype", torch.float32)
+        self.overrides = overrides
+        if self.path == "megatron":
+            from megatron.core import tensor_parallel
+
+            tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        self.model = self._initial_model(trainable=True)
         self.reference = self._initial_model() if reference else None
-        self.train_model = self._wrap_ddp(self.model)
-        self.tp_shards = tp_sharded(self.model)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.training = build_training(self.model, options, groups, path=self.path)
+        self.train_model, self.optimizer = self.training.train_model, self.training.optimizer
         self.engine = MegatronEngine(self.model, self.layout_info, group=groups.rollout, tp_group=groups.tp)
 
     @property
     def has_reference(self) -> bool:
         return self.reference is not None
 
-    def _initial_model(self) -> torch.nn.Module:
+    def _initial_model(self, *, trainable: bool = False) -> torch.nn.Module:
         # a second model from the same folder (megatron modules hold process groups: no deepcopy)
-        model = build_model(self.layout_info, init_weights=False).eval().requires_grad_(False)
-        load_hf_weights(model, self.layout_info, self.model_path)
-        return model
+        model = build_model(
+            self.layout_info, init_weights=False, params_dtype=self.params_dtype, **self.overrides
+        )
+        load_weights(model, self.layout_info, self.model_path)
+        if self.path == "megatron":
+            model = model.cuda()
+        return model if trainable else model.eval().requires_grad_(False)
 
     def frozen_engine(self) -> MegatronEngine:
         """The initial weights (the KL reference when there is one), generating as "frozen"."""
@@ -77,13 +92,6 @@ class MegatronBackend:
                 model, self.layout_info, group=self.groups.rollout, tp_group=self.groups.tp, name="frozen"
             )
         return self._frozen_engine
-
-    def _wrap_ddp(self, model: torch.nn.Module) -> torch.nn.Module:
-        if self.groups.dp_size == 1:
-            return model
-        if torch.cuda.is_available():  # megatron's DDP and optimizer need CUDA
-            raise NotImplementedError("MegatronBackend: the GPU path (megatron DDP) is not wired yet")
-        return torch.nn.parallel.DistributedDataParallel(model, process_group=self.groups.dp)
 
     def logprobs_of(self, batch: TrainingBatch, *, reference: bool = False) -> torch.Tensor:
         """[1, T] logprobs of batch.targets: the trained model's with gradient, or the reference's."""
@@ -112,77 +120,25 @@ class MegatronBackend:
         return lp[None]  # [1, T]
 
     def backward(self, loss: torch.Tensor) -> None:
-        # DDP averages gradients over DP, but the loss is already divided by global counts
-        (loss * self.groups.dp_size).backward()
+        self.training.backward(loss)
 
     def optimizer_step(self) -> float:
-        norm = float(self.grad_norm())
-        if not math.isfinite(norm):
-            # every rank holds the same norm, so every rank skips: weights never diverge
-            self.optimizer.zero_grad(set_to_none=True)
-            return norm
-        # as torch's clip_grad_norm_: scale only when over the limit, 1e-6 guards a zero norm
-        scale = min(1.0, self.grad_clip / (norm + 1e-6))
-        for p in self.model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(scale)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return norm
+        """See `Backend.optimizer_step`: one global norm on every rank, a non-finite one skips."""
+        return self.training.step()
 
     def grad_norm(self) -> torch.Tensor:
-        """The 2-norm of the whole model's gradient (collective over TP), float64.
-
-        DDP has already averaged the gradients over DP, so DP ranks agree. Under TP a shard's
-        squares are summed over the TP group; a replicated parameter (a norm weight) holds the
-        same gradient on every TP rank, so each rank adds 1/tp of its squares to the same sum.
-        That sum also carries a NaN or inf from any one rank to all of them.
-        """
-        device = next(self.model.parameters()).device  # NCCL reduces device tensors only
-        shard = torch.zeros((), dtype=torch.float64, device=device)
-        copy = torch.zeros((), dtype=torch.float64, device=device)
-        for p in self.model.parameters():
-            if p.grad is None:
-                continue
-            sq = p.grad.detach().double().square().sum()
-            if id(p) in self.tp_shards:
-                shard += sq
-            else:
-                copy += sq
-        total = shard + copy / self.groups.tp_size
-        return parallel.all_reduce(total, "sum", self.groups.tp).sqrt()
+        """The 2-norm of the whole model's gradient (collective over TP), float64 (CPU path)."""
+        return self.training.grad_norm()
 
     def save(self, folder: Path) -> None:
-        # DP replicas are identical: one file per TP rank, written by DP rank 0
-        if parallel.rank(self.groups.dp) == 0:
-            tp_rank = parallel.rank(self.groups.tp)
-            state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
-            torch.save(state, folder / f"model-tp{tp_rank:02d}.pt")
+        """A sharded checkpoint (collective): it loads at any TP size, and as `--model` too."""
+        megatron_checkpoint.save(folder, self.model, self.layout_info, self.optimizer)
+        if parallel.rank() == 0:
+            copy_hf_files(self.model_path, folder)
 
     def load(self, folder: Path) -> None:
-        tp_rank = parallel.rank(self.groups.tp)
-        state = torch.load(folder / f"model-tp{tp_rank:02d}.pt", weights_only=False)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        megatron_checkpoint.load(folder, self.model, self.layout_info, self.optimizer)
 
     def export_hf(self, out_dir: str | Path) -> Path:
         """The trained weights as an HF folder (collective over the world)."""
         return export_hf(self.model, self.layout_info, self.model_path, out_dir)
-
-
-def tp_sharded(model: torch.nn.Module) -> set[int]:
-    """ids of the parameters that are one TP rank's slice, not a full copy.
-
-    megatron marks slices with `tensor_model_parallel`, but only when it initialises the
-    weights itself: with `build_model(init_weights=False)` the weights of its parallel layers
-    stay unmarked, so the layer type decides for those (a row-parallel bias is a full copy).
-    """
-    out = set()
-    for module in model.modules():
-        for name, p in module.named_parameters(recurse=False):
-            by_layer = isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)) or (
-                isinstance(module, RowParallelLinear) and name == "weight"
-            )
-            if by_layer or getattr(p, "tensor_model_parallel", False):
-                out.add(id(p))
-    return out

@@ -27,6 +27,7 @@ RESUMABLE = {
     "eval_every",
     "resume",
     "export_hf",
+    "tp",  # checkpoints are sharded and reshard: a run saved at TP=2 resumes at TP=1
 }
 
 
