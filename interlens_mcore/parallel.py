@@ -92,6 +92,14 @@ def barrier(group: Any = None) -> None:
         dist.barrier(group=group)
 
 
+def barrier_or_gone(group: Any = None) -> None:
+    """A barrier that returns, instead of raising, when a peer has already left (after a failure)."""
+    try:
+        barrier(group)
+    except (RuntimeError, dist.DistBackendError):  # gloo: "Connection closed by peer"
+        pass
+
+
 def megatron_tp_group() -> Any:
     """megatron-core's tensor-parallel group of this rank (parallel_state must be initialised)."""
     from megatron.core import parallel_state
@@ -266,7 +274,26 @@ def init_distributed(*, timeout_s: float = 1800.0) -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None:
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        return
+    # Under torchrun every process group's rendezvous keys live in one store that outlives a
+    # restart: a restarted rank would read a dead peer's address for a subgroup (megatron's TP
+    # and DP groups) before the live peer rewrites it. A prefix per attempt keeps them apart.
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=False,
+        timeout=timedelta(seconds=timeout_s),
+        use_libuv=True,
+    )
+    store = dist.PrefixStore(f"interlens/attempt_{restart}", store)
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+    )
 
 
 def _free_port() -> int:

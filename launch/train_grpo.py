@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse(argv, description=__doc__.splitlines()[0])
         source = check(args)  # every check that needs no process group
+        # decided before any rank can write run.json (that waits for the process group), so
+        # every rank of a restarted or a fresh `--resume auto` run decides alike
+        resume = args.launch.resuming(args.trainer.output_dir)
     except UsageError as exc:
         _say(str(exc))
         return 2
@@ -53,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         if parallel.rank() == 0:
             print(f"config: {trainer.run_info}", file=sys.stderr)
         try:
-            start = trainer.resume() if args.launch.resuming(args.trainer.output_dir) else 0
+            start = trainer.resume() if resume else 0
             if parallel.rank() == 0 and start:
                 print(f"resuming at step {start} of {args.trainer.steps}", file=sys.stderr)
             trainer.train()
@@ -61,7 +64,10 @@ def main(argv: list[str] | None = None) -> int:
             _say(str(exc))
             return 2
         except parallel.WorldFailure as exc:  # on every rank: its last line names the cause
-            print(f"train_grpo.py: error: {exc}", file=sys.stderr)
+            print(f"train_grpo.py: error: {exc}", file=sys.stderr, flush=True)
+            # no rank leaves before every rank has said it (torchrun stops the others at the
+            # first exit); a peer that is already gone ends the wait at once
+            parallel.barrier_or_gone(trainer.world_check)
             return 1
         if args.launch.export_hf:
             trainer.export_hf(args.launch.export_hf)

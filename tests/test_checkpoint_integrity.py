@@ -106,12 +106,12 @@ def test_resume_skips_a_corrupt_checkpoint(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     ckpts = out / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["step-000004", "step-000006"]
-    _flip_byte(ckpts / "step-000006" / "model-tp00.pt")
+    _flip_byte(ckpts / "step-000006" / "weights" / "__0_0.distcp")  # rank 0's shard of the weights
 
     res = torchrun("--output-dir", str(out), "--steps", "6", *SMALL, "--resume")
     assert res.returncode == 0, res.stderr[-3000:]
     assert (
-        "checkpoint step-000006 is corrupt (model-tp00.pt: sha256 mismatch), kept as "
+        "checkpoint step-000006 is corrupt (weights/__0_0.distcp: sha256 mismatch), kept as "
         "corrupt-step-000006; resuming from step-000004"
     ) in res.stderr
     assert "resuming at step 4 of 6" in res.stderr
@@ -126,7 +126,7 @@ def test_resume_refuses_when_every_checkpoint_is_corrupt(tmp_path):
     out = tmp_path / "run"
     res = torchrun("--output-dir", str(out), "--steps", "2", *SMALL)
     assert res.returncode == 0, res.stderr[-3000:]
-    (out / "checkpoints" / "step-000002" / "model-tp00.pt").unlink()
+    (out / "checkpoints" / "step-000002" / "weights" / "__1_0.distcp").unlink()
 
     for attempt in range(2):  # the second finds only the folder the first set aside
         res = torchrun("--output-dir", str(out), "--steps", "2", *SMALL, "--resume")
@@ -134,7 +134,7 @@ def test_resume_refuses_when_every_checkpoint_is_corrupt(tmp_path):
         assert res.returncode != 0 and "exitcode  : 2" in res.stderr and "trainers/" not in res.stderr
         assert "train_grpo.py: error: no intact checkpoint" in res.stderr
         if attempt == 0:
-            assert "checkpoint step-000002 is corrupt (model-tp00.pt: missing)" in res.stderr
+            assert "checkpoint step-000002 is corrupt (weights/__1_0.distcp: missing)" in res.stderr
         assert (
             f"no intact checkpoint in {out / 'checkpoints'} to resume from; "
             "set aside as corrupt: corrupt-step-000002"

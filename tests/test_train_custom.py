@@ -1,50 +1,92 @@
-"""A user's trainer: subclass a GRPO trainer, override the reward, train on 2 gloo ranks."""
+"""A user's own task and reward, plugged in from the command line exactly as the README shows:
+
+    torchrun --nproc_per_node=2 launch/train_grpo.py --task mymodule:make_tasks \
+        --reward mymodule:reward --steps 3 --report-to jsonl,tensorboard
+"""
 
 from __future__ import annotations
 
-from dist_utils import run_ranks
+import json
+
+from train_utils import SMALL, all_records, metrics, torchrun
+
+MYMODULE = """
+from dataclasses import dataclass
+
+from interlens_mcore import Environment, Message
+from interlens_mcore.tasks import TaskSource
 
 
-def _short_replies_reward(conversations, trajectories) -> list[float]:
-    # 1 for a first policy reply of at most 3 sampled tokens, else 0: checkable from the trajectory
-    first = [t.turns[0] for t in trajectories]
-    return [1.0 if sum(t.loss_mask[s.start : s.end]) <= 3 else 0.0 for t, s in zip(trajectories, first)]
+class Judge(Environment):
+    name = "judge"
+
+    def respond(self, conv):
+        said = conv.messages[-1].content
+        conv.infos["success"] = float(any(c.isdigit() for c in said))
+        conv.request_stop("judged")
+        return "thanks"
+
+    def reward(self, conv):
+        return conv.infos["success"]
 
 
-def _train_custom(rank, world_size, tiny_path, out):
-    from transformers import AutoTokenizer
+@dataclass(frozen=True)
+class SayNumber:
+    max_turns: int = 2
 
-    from interlens_mcore import parallel
-    from interlens_mcore.loss import LossConfig
-    from interlens_mcore.mixin import RolloutConfig
-    from trainers import MegatronGRPOTrainer, TrainerConfig
+    def prompt(self):
+        return [Message(speaker="user", content="say a number")]
 
-    class ShortReplies(MegatronGRPOTrainer):
-        def compute_rewards(self, conversations, trajectories):
-            return _short_replies_reward(conversations, trajectories)
+    def lineup(self, seat):
+        return [seat("policy"), Judge()]
 
-    parallel.init_megatron(1)
-    trainer = ShortReplies(
-        model_path=tiny_path,
-        config=TrainerConfig(steps=2, prompts_per_rank=2, output_dir=str(out)),
-        rollout_config=RolloutConfig(num_generations=4, max_new_tokens=6),
-        loss_config=LossConfig(is_mode="token_truncate"),
-        groups=parallel.build_groups(rollout="model_parallel"),
-        tokenizer=AutoTokenizer.from_pretrained(tiny_path),
+
+class Numbers(TaskSource):
+    name = "numbers"
+
+    def rows(self, n, *, seed):
+        return [SayNumber() for _ in range(n)]
+
+    def eval_rows(self, n, *, seed):
+        return [SayNumber() for _ in range(n)]
+
+
+def make_tasks():
+    return Numbers()
+
+
+def reward(trajectories, rows):
+    return [1.0 if len(t.infos["completion"]) <= 3 else 0.0 for t in trajectories]
+"""
+
+
+def test_custom_task_and_reward_from_the_command_line(tmp_path):
+    (tmp_path / "mymodule.py").write_text(MYMODULE)
+    out = tmp_path / "out"
+    args = ["--task", "mymodule:make_tasks", "--reward", "mymodule:reward", "--steps", "3"]
+    args += ["--report-to", "jsonl,tensorboard", "--output-dir", str(out), "--log-completions-every", "1"]
+    res = torchrun(*args, *SMALL, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows:
+        # the task's own reward (env) and the user's, each logged apart; their sum is the reward
+        assert r["reward_mean"] == pytest_approx(r["reward/env"] + r["reward/reward"])
+        assert 0.0 <= r["success_rate"] <= 1.0
+    evals = [r for r in all_records(out) if "eval/success_rate" in r]
+    assert [r["step"] for r in evals] == [0, 3]  # before training and after the last step
+    completions = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert {c["step"] for c in completions} == {0, 1, 2} and all(
+        "say a number" in c["text"] for c in completions
     )
-    rollout = trainer.generate_rollouts(trainer.rows_for_step(0), 0)
-    expected = _short_replies_reward([], rollout.trajectories)
-    got = [t.reward for t in rollout.trajectories]
-    # groups of 4 are centred on their own mean: advantages sum to 0 within each group
-    group_sums = rollout.advantages.view(-1, 4).sum(dim=1).abs().max().item()
-    records = trainer.train()
-    return got, expected, group_sums, [r["step"] for r in records]
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    run = json.loads((out / "run.json").read_text())
+    assert run["task_source"] == {"name": "numbers"} and run["task"] == "mymodule:make_tasks"
+    assert run["rewards"] == ["env", "reward"]
+    assert "done: 3 steps" in res.stderr and str(out) in res.stderr.splitlines()[-1]
 
 
-def test_custom_reward_subclass(tmp_path, tiny_path):
-    results = run_ranks(_train_custom, 2, str(tiny_path), str(tmp_path / "out"), timeout=240)
-    for got, expected, group_sums, steps in results:
-        assert got == expected and len(got) == 8
-        assert group_sums < 1e-5
-        assert steps == [0, 1]
-    assert (tmp_path / "out" / "metrics.jsonl").is_file()
+def pytest_approx(x):
+    import pytest
+
+    return pytest.approx(x, abs=1e-6)

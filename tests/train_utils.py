@@ -46,7 +46,7 @@ def kill_all(proc: subprocess.Popen) -> None:
 
 
 def torchrun(
-    *args: str, nproc: int = 2, timeout: float = 240, script: Path = TRAIN
+    *args: str, nproc: int = 2, timeout: float = 240, script: Path = TRAIN, cwd: Path = ROOT, **extra_env: str
 ) -> subprocess.CompletedProcess:
     """Run to completion; on timeout kill torchrun *and* its workers, which would outlive it."""
     cmd = [
@@ -58,7 +58,12 @@ def torchrun(
         str(script),
     ]
     proc = subprocess.Popen(
-        [*cmd, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT
+        [*cmd, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env(**extra_env),
+        cwd=cwd,
     )
     try:
         out, err = proc.communicate(timeout=timeout)

@@ -56,7 +56,7 @@ def describe_run(
         **dataclasses.asdict(config),
         **dataclasses.asdict(rollout_config),
         **dataclasses.asdict(loss_config),
-        "task": tasks.describe(),
+        "task_source": tasks.describe(),
         "rewards": rewards.names,
         "reward_weights": rewards.weights,
         "world_size": world_size,
@@ -162,8 +162,12 @@ class GRPOTrainer:
                     report.plot()
             if cfg.eval_every:  # the weights the run ends with
                 report.log({"step": self.step, **self.together(self.evaluation)})
-        finally:
+        except BaseException:
+            report.close(steps=self.step, failed=True)  # quickly: the caller names the cause
+            raise
+        else:
             report.close(steps=self.step)
+        finally:
             if lock is not None:
                 lock.close()
         return records

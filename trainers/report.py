@@ -122,11 +122,20 @@ class Reporter:
         if self.enabled:
             plot_run(read_jsonl(self.out / METRICS_FILE), self.out / PLOT_FILE)
 
-    def close(self, *, steps: int) -> str | None:
-        """Final plot, loggers closed; returns (and prints) the one-line summary."""
+    def close(self, *, steps: int, failed: bool = False) -> str | None:
+        """Final plot, loggers closed; returns (and prints) the one-line summary.
+
+        A failed run only closes its loggers: what was written stays, and the error is its
+        last line.
+        """
         if not self.enabled:
             return None
         self.bar.close()
+        if failed:
+            for logger in (self.tb, self.wandb):
+                if logger is not None:
+                    logger.close() if logger is self.tb else logger.finish(exit_code=1)
+            return None
         self.plot()
         records = read_jsonl(self.out / METRICS_FILE)
         line = summary(records, out=self.out, steps=steps, wall_s=time.perf_counter() - self.t0)
