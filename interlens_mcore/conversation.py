@@ -20,7 +20,7 @@ from .chat import ChatFormat
 from .engine import Engine, SamplingParams
 from .lockstep import check_temperature
 from .stop import StopCondition, ambient_conditions
-from .trajectory import Message, Status, TrainTurns, Trajectory, TurnTokens, assemble
+from .trajectory import Message, Status, TrainTurns, Trajectory, TurnTokens, assemble, check_train_turns
 
 Hook = Callable[["Conversation", Message], "Message | None"]
 
@@ -52,9 +52,7 @@ class Policy(Participant):
     system_prompt: str | None = None
 
     def __post_init__(self) -> None:
-        t = self.train_turns
-        if not (t in ("all", "last") if isinstance(t, str) else all(isinstance(b, bool) for b in t)):
-            raise ValueError(f"Policy {self.name!r}: train_turns must be 'all', 'last' or bools, got {t!r}")
+        check_train_turns(self.train_turns, f"Policy {self.name!r}")
         check_temperature(self.sampling.temperature, f"Policy {self.name!r}")
         self.chat = ChatFormat(self.tokenizer)
 

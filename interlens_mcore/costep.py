@@ -17,8 +17,6 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from .conversation import Conversation, Environment, Policy
 from .engine import Engine, Generation, GenerationRequest
 from .limits import StepTimeout, await_limited, check_time_limit
@@ -28,6 +26,7 @@ from .lockstep import (
     Need,
     each,
     engine_registry,
+    generate_waves,
     key_of,
     no_running_loop,
     raise_first,
@@ -167,16 +166,7 @@ class _CoStep(Driver):
                 "does not hold; pass it in co_step(engines=...)"
             )
         rows = self.rows.get(call.key, [])
-        waves, width = call.waves(self.max_batch_size)
-        results: list[Generation] = []
-        for w in range(waves):  # every rank makes the same number of calls; some may be empty
-            results.extend(
-                _generate_splitting(engine, [r.request for r in rows[w * width : (w + 1) * width]])
-            )
-        if len(results) != len(rows):
-            raise ValueError(
-                f"engine {call.engine!r} returned {len(results)} generations for {len(rows)} rows"
-            )
+        results = generate_waves(engine, [r.request for r in rows], call, self.max_batch_size)
         # each conversation commits on its own: a failing hook fails only its conversation
         errors: list[Exception] = []
         each(list(zip(rows, results, strict=True)), _commit, lambda rg, exc: _fail(rg[0].conv, exc), errors)
@@ -207,18 +197,6 @@ def _fail(c: Conversation, exc: Exception) -> None:
     if not any(f"conversation {c.id}" in n for n in getattr(exc, "__notes__", ())) and c.id not in str(exc):
         exc.add_note(f"conversation {c.id}")
     c.end(Status.FAILED, f"{type(exc).__name__}: {exc}")
-
-
-def _generate_splitting(engine: Engine, requests: list[GenerationRequest]) -> list[Generation]:
-    """Generate a wave; on out-of-memory split it in halves and retry (rows are independent)."""
-    try:
-        return engine.generate(requests)
-    except torch.OutOfMemoryError:
-        # only safe for engines that are not collective: a split on one rank would desync
-        if len(requests) <= 1:
-            raise
-        half = len(requests) // 2
-        return _generate_splitting(engine, requests[:half]) + _generate_splitting(engine, requests[half:])
 
 
 def _setup(convs, turns, max_batch_size, max_rounds, step_timeout_s, engines) -> dict[str, Engine]:

@@ -33,7 +33,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from .engine import Engine
+import torch
+
+from .engine import Engine, Generation, GenerationRequest
 from .vote import Ballot, GatherFn, cast_vote
 
 T = TypeVar("T")
@@ -78,6 +80,32 @@ class Driver(ABC):
 
     def over_bound(self, rounds: int) -> Exception:
         return RuntimeError(f"rollout still running after {rounds} rounds")
+
+
+def generate_waves(
+    engine: Engine, requests: list[GenerationRequest], call: Call, max_batch_size: int | None
+) -> list[Generation]:
+    """This rank's rows of an aligned call, in as many generate calls as every other rank makes
+    (some of them empty); a wave that runs out of memory is split in halves and retried."""
+    waves, width = call.waves(max_batch_size)
+    out: list[Generation] = []
+    for w in range(waves):
+        out.extend(_generate_splitting(engine, requests[w * width : (w + 1) * width]))
+    if len(out) != len(requests):
+        raise ValueError(f"engine {call.engine!r} returned {len(out)} generations for {len(requests)} rows")
+    return out
+
+
+def _generate_splitting(engine: Engine, requests: list[GenerationRequest]) -> list[Generation]:
+    try:
+        return engine.generate(requests)
+    except torch.OutOfMemoryError:
+        # rows are independent, so halves give the same tokens; only safe for engines that are
+        # not collective: a split on one rank would desync the group
+        if len(requests) <= 1:
+            raise
+        half = len(requests) // 2
+        return _generate_splitting(engine, requests[:half]) + _generate_splitting(engine, requests[half:])
 
 
 def key_of(signature: tuple) -> str:

@@ -18,11 +18,13 @@ from typing import Any
 
 from .limits import StepTimeout, await_limited, call_limited, check_time_limit
 from .lockstep import Call, Driver, Need, each, no_running_loop, raise_first, run_rounds, settle
-from .results import STEP_KEYS, TURN_END_KEYS, check_ids, check_logprobs, step_result, turn_end_result
+from .results import STEP_KEYS, TURN_END_KEYS, check_choice, check_ids, step_result, turn_end_result
 from .scheduler import (
     EngineRollout,
+    MultiTurnError,
     MultiTurnRequest,
     MultiTurnScheduler,
+    MultiTurnValueError,
     ResponseChoice,
     RolloutFn,
     RolloutOutput,
@@ -30,8 +32,8 @@ from .scheduler import (
     prepare_requests,
     prepare_requests_async,
 )
-from .trajectory import Status, TrainTurns
-from .vote import GatherFn, RolloutError, RolloutValueError, local_gather
+from .trajectory import Status, TrainTurns, check_train_turns
+from .vote import GatherFn, RolloutError, local_gather
 
 __all__ = [
     "STEP_KEYS",
@@ -50,22 +52,6 @@ __all__ = [
     "run_multi_turn",
     "run_multi_turn_async",
 ]
-
-
-class MultiTurnError(RolloutError):
-    """A failed rollout that keeps this rank's work: `outputs`, one per request, in order.
-
-    Finished requests keep their status; unfinished ones are RUNNING with the turns they had;
-    a request that failed is FAILED with its `error`.
-    """
-
-    def __init__(self, failures: list[tuple[int, str]], outputs: list[RolloutOutput]):
-        super().__init__(failures)
-        self.outputs = outputs
-
-
-class MultiTurnValueError(MultiTurnError, RolloutValueError):
-    """Bad input (a ValueError) on every failing rank."""
 
 
 @dataclass
@@ -99,23 +85,9 @@ def _where(slot: _Slot, turn: int) -> str:
     return f"request {slot.request.index} (turn {turn})"
 
 
-def _record(slot: _Slot, ids: list[int], mask: list[int], logprobs: list[float] | None, turn: int) -> None:
-    """Append this turn's response after whatever the prompt gained since the last turn."""
-    slot.output.add_turn(
-        slot.request.prompt_ids, ids, mask, logprobs, slot.choice.finish_reason, slot.continuing
-    )
-    slot.output.rollout_infos["num_turns"] = turn
-
-
 def _accept(slot: _Slot, turn: int, run: _Run) -> None:
     """Check the engine's answer and add it to the transcript."""
-    choice, where = slot.choice, f"{_where(slot, turn)}: rollout_fn"
-    if not isinstance(choice, ResponseChoice):
-        raise ValueError(f"{where} must return ResponseChoice, got {choice!r}")
-    check_ids(choice.token_ids, f"{where} token_ids", None)
-    check_logprobs(choice.logprobs, f"{where} logprobs")
-    if not isinstance(choice.text, str):
-        raise ValueError(f"{where} text must be a str, got {type(choice.text).__name__}")
+    choice = check_choice(slot.choice, f"{_where(slot, turn)}: rollout_fn")
     if run.vocab_size is not None:
         run.sampled.update(t for t in choice.token_ids if t >= run.vocab_size)
     messages = slot.request.messages
@@ -125,18 +97,11 @@ def _accept(slot: _Slot, turn: int, run: _Run) -> None:
         messages.append({"role": "assistant", "content": choice.text})
 
 
-def _hook_result(slot: _Slot, turn: int) -> bool | None:
-    """The hook's `done` (None: let check_finished decide); its infos go to the output."""
-    done, infos = turn_end_result(slot.turn_end, f"{_where(slot, turn)}: on_turn_end")
-    slot.output.rollout_infos.update(infos)
-    return done
-
-
 def _apply_step(slot: _Slot, result: Any, run: _Run, turn: int) -> None:
     """Record the turn as the scheduler's step shaped it and move to its next request."""
     where = f"{_where(slot, turn)}: scheduler.step()"
     step = step_result(result, slot.request, slot.choice, where, run.check_ids)
-    _record(slot, step.ids, step.mask, step.logprobs, turn)
+    slot.output.add_turn(slot.request, step.ids, step.mask, step.logprobs, slot.choice, slot.continuing)
     slot.output.rollout_infos.update(step.infos)
     nxt = step.request
     slot.continuing = bool(nxt.messages) and nxt.messages[-1].get("role") == "assistant"
@@ -146,7 +111,9 @@ def _apply_step(slot: _Slot, result: Any, run: _Run, turn: int) -> None:
 def _freeze(slot: _Slot, turn: int, status: Status) -> None:
     """End the request: its last response is its final turn, every sampled token trained."""
     ids = slot.choice.token_ids
-    _record(slot, list(ids), [1] * len(ids), slot.choice.logprobs, turn)
+    slot.output.add_turn(
+        slot.request, list(ids), [1] * len(ids), slot.choice.logprobs, slot.choice, slot.continuing
+    )
     slot.output.status = status
 
 
@@ -162,7 +129,9 @@ def _finish_or_step(slot: _Slot, run: _Run, turn: int) -> bool:
     if isinstance(slot.turn_end, StepTimeout):
         return _time_out(slot, turn, "on_turn_end", run.step_timeout_s)
     scheduler, max_turns = run.scheduler, run.max_turns
-    done = _hook_result(slot, turn)
+    # the hook's `done` decides; None lets check_finished decide
+    done, infos = turn_end_result(slot.turn_end, f"{_where(slot, turn)}: on_turn_end")
+    slot.output.rollout_infos.update(infos)
     finished = done if done is not None else scheduler.check_finished(slot.request, slot.choice, turn)
     capped = any(m is not None and turn >= m for m in (max_turns, scheduler.max_turns))
     if finished or (max_turns is not None and turn >= max_turns):
@@ -243,7 +212,7 @@ def _start(requests: Sequence[MultiTurnRequest], run: _Run) -> list[_Slot]:
             raise ValueError(f"run_multi_turn: requests must be MultiTurnRequest, got {r!r}")
         run.check_ids(r.prompt_ids, f"request {r.index}: prompt_ids")
     # private copies of the transcripts: the driver appends the replies to them
-    own = [dataclasses.replace(r, messages=[dict(m) for m in r.messages]) for r in requests]
+    own = [dataclasses.replace(r, messages=[dict(m) for m in r.messages], turn=1) for r in requests]
     run.scheduler.on_trajectory_start(own)
     return [
         _Slot(
@@ -271,9 +240,7 @@ async def run_multi_turn_async(
     if max_turns is not None and max_turns < 1:
         raise ValueError(f"run_multi_turn: max_turns must be >= 1 or None, got {max_turns}")
     check_time_limit(step_timeout_s, "run_multi_turn: step_timeout_s")
-    t = train_turns
-    if not (t in ("all", "last") if isinstance(t, str) else all(isinstance(b, bool) for b in t)):
-        raise ValueError(f"run_multi_turn: train_turns must be 'all', 'last' or bools, got {t!r}")
+    check_train_turns(train_turns, "run_multi_turn")
     chat = scheduler.chat
     run = _Run(
         scheduler, max_turns, step_timeout_s, len(chat.tokenizer) if chat is not None else None, train_turns

@@ -56,6 +56,17 @@ def check_keys(result: dict, allowed: tuple[str, ...], where: str) -> None:
         raise ValueError(f"{where} returned unknown key(s) {unknown}; expected some of {list(allowed)}")
 
 
+def check_choice(choice: Any, where: str) -> ResponseChoice:
+    """What a rollout_fn returned for one request; sampled ids are not bounded by the tokenizer."""
+    if not isinstance(choice, ResponseChoice):
+        raise ValueError(f"{where} must return ResponseChoice, got {choice!r}")
+    check_ids(choice.token_ids, f"{where} token_ids", None)
+    check_logprobs(choice.logprobs, f"{where} logprobs")
+    if not isinstance(choice.text, str):
+        raise ValueError(f"{where} text must be a str, got {type(choice.text).__name__}")
+    return choice
+
+
 def turn_end_result(result: Any, where: str) -> tuple[bool | None, dict[str, Any]]:
     """(done, rollout_infos) of what `on_turn_end` returned; done None lets check_finished decide."""
     if result is None:

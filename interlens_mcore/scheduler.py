@@ -25,6 +25,7 @@ from .limits import maybe_await
 from .lockstep import check_temperature, no_running_loop
 from .sampling import mix_seed
 from .trajectory import Status, TrainTurns, Trajectory, TurnTokens, assemble, logprobs_fit
+from .vote import RolloutError, RolloutValueError
 
 
 @dataclass(kw_only=True)
@@ -97,17 +98,18 @@ class RolloutOutput:
 
     def add_turn(
         self,
-        prompt_ids: list[int],
+        request: MultiTurnRequest,
         ids: list[int],
         mask: list[int],
         logprobs: list[float] | None,
-        finish_reason: str,
+        choice: ResponseChoice,
         continuing: bool,
     ) -> None:
-        """Record a response after whatever `prompt_ids` (the request it answers) gained since
-        the last turn; a continuation extends the last turn instead of starting one."""
+        """Record the response to `request` after whatever its prompt gained since the last
+        turn; a continuation extends the last turn instead of starting one."""
         covered = len(self.prompt_ids) + sum(len(t) for t in self.response_token_ids)
-        context = prompt_ids[covered:]  # template/environment ids, never trained
+        context = request.prompt_ids[covered:]  # template/environment ids, never trained
+        finish_reason = choice.finish_reason
         start = covered + len(context)
         if continuing and self.response_token_ids:
             last = self.rollout_logprobs[-1]
@@ -116,7 +118,11 @@ class RolloutOutput:
             fits = logprobs_fit(last, self.response_loss_mask[-1]) and logprobs_fit(logprobs, mask)
             self.response_token_ids[-1] += context + ids
             self.response_loss_mask[-1] += [0] * len(context) + mask
-            self.rollout_logprobs[-1] = (last or []) + (logprobs or []) if fits else None
+            joined = (last or []) + (logprobs or [])
+            # a misfit must stay a misfit: a joined list that happens to fit (one piece short, the
+            # next long) becomes None, which cannot fit, as the turn then trains >= 1 token
+            misfit = joined if len(joined) != sum(self.response_loss_mask[-1]) else None
+            self.rollout_logprobs[-1] = joined if fits else misfit
             self.spans[-1] = (self.spans[-1][0], start + len(ids))
             self.turn_finish_reasons[-1] = finish_reason
         else:
@@ -126,6 +132,7 @@ class RolloutOutput:
             self.spans.append((start, start + len(ids)))
             self.turn_finish_reasons.append(finish_reason)
         self.finish_reason = finish_reason
+        self.rollout_infos["num_turns"] = request.turn
 
     def to_trajectory(
         self, *, group: int = 0, participant: str = "policy", train_turns: TrainTurns | None = None
@@ -157,6 +164,22 @@ class RolloutOutput:
             status=self.status,
             infos=dict(self.rollout_infos),
         )
+
+
+class MultiTurnError(RolloutError):
+    """A failed rollout that keeps this rank's work: `outputs`, one per request, in order.
+
+    Finished requests keep their status; unfinished ones are RUNNING with the turns they had;
+    a request that failed is FAILED with its `error`.
+    """
+
+    def __init__(self, failures: list[tuple[int, str]], outputs: list[RolloutOutput]):
+        super().__init__(failures)
+        self.outputs = outputs
+
+
+class MultiTurnValueError(MultiTurnError, RolloutValueError):
+    """Bad input (a ValueError) on every failing rank."""
 
 
 class MultiTurnScheduler(ABC):

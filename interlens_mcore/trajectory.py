@@ -142,14 +142,18 @@ class TurnTokens:
         return self.start + len(self.mask)
 
 
+def check_train_turns(train: TrainTurns, where: str) -> None:
+    if not (train in ("all", "last") if isinstance(train, str) else all(isinstance(b, bool) for b in train)):
+        raise ValueError(f"{where}: train_turns must be 'all', 'last' or a list of bools, got {train!r}")
+
+
 def select_turns(turns: Sequence[TurnTokens], train: TrainTurns, where: str) -> list[TurnTokens]:
     """The trained turns: all, the last, or those whose entry of a per-turn bool mask is true."""
     if train == "all":
         return list(turns)
     if train == "last":
         return list(turns[-1:])
-    if isinstance(train, str) or not all(isinstance(b, bool) for b in train):
-        raise ValueError(f"{where}: train_turns must be 'all', 'last' or a list of bools, got {train!r}")
+    check_train_turns(train, where)
     if len(train) != len(turns):
         raise ValueError(f"{where}: train_turns has {len(train)} entries for {len(turns)} turns")
     return [t for t, keep in zip(turns, train, strict=True) if keep]
