@@ -18,7 +18,16 @@ from typing import Any
 
 from .limits import StepTimeout, await_limited, call_limited, check_time_limit
 from .lockstep import Call, Driver, Need, each, no_running_loop, raise_first, run_rounds, settle
-from .results import STEP_KEYS, TURN_END_KEYS, check_choice, check_ids, step_result, turn_end_result
+from .results import (
+    STEP_KEYS,
+    TURN_END_KEYS,
+    check_choice,
+    check_ids,
+    prepare_requests,
+    prepare_requests_async,
+    step_result,
+    turn_end_result,
+)
 from .scheduler import (
     EngineRollout,
     MultiTurnError,
@@ -29,8 +38,6 @@ from .scheduler import (
     RolloutFn,
     RolloutOutput,
     ToolScheduler,
-    prepare_requests,
-    prepare_requests_async,
 )
 from .trajectory import Status, TrainTurns, check_train_turns
 from .vote import GatherFn, RolloutError, local_gather
@@ -161,7 +168,6 @@ class _Turns(Driver):
 
     async def local(self) -> dict[str, Need]:
         if self.slots is None:
-            self.slots = []
             self.slots = self.running = _start(self.requests, self.run)
         self.running = await self._round(self.running, self.choices, self.turn)
         return {"rollout_fn": Need(engine="rollout_fn", rows=len(self.running))} if self.running else {}
@@ -181,18 +187,11 @@ class _Turns(Driver):
             slot.choice = choice
         errors: list[Exception] = []
         ok = each(slots, lambda s: _accept(s, turn, run), _fail, errors)
-        serial = asyncio.Lock()
+        serial, hook, limit = asyncio.Lock(), run.scheduler.on_turn_end, run.step_timeout_s
 
         async def turn_end(s: _Slot) -> None:  # concurrent: environments and tools may await I/O
             try:
-                s.turn_end = await await_limited(
-                    run.scheduler.on_turn_end,
-                    s.request,
-                    s.choice,
-                    turn,
-                    limit=run.step_timeout_s,
-                    serial=serial,
-                )
+                s.turn_end = await await_limited(hook, s.request, s.choice, turn, limit=limit, serial=serial)
             except StepTimeout as exc:
                 s.turn_end = exc
             except Exception as exc:
@@ -214,13 +213,10 @@ def _start(requests: Sequence[MultiTurnRequest], run: _Run) -> list[_Slot]:
     # private copies of the transcripts: the driver appends the replies to them
     own = [dataclasses.replace(r, messages=[dict(m) for m in r.messages], turn=1) for r in requests]
     run.scheduler.on_trajectory_start(own)
-    return [
-        _Slot(
-            request=r,
-            output=RolloutOutput(request=r, prompt_ids=list(r.prompt_ids), train_turns=run.train_turns),
-        )
-        for r in own
+    outputs = [
+        RolloutOutput(request=r, prompt_ids=list(r.prompt_ids), train_turns=run.train_turns) for r in own
     ]
+    return [_Slot(request=r, output=o) for r, o in zip(own, outputs, strict=True)]
 
 
 async def run_multi_turn_async(

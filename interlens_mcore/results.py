@@ -1,4 +1,5 @@
-"""What schedulers and rollout functions hand `run_multi_turn`, checked before it is recorded.
+"""What schedulers and rollout functions hand `run_multi_turn`, checked before it is recorded;
+and `prepare_requests`, which runs a scheduler's `before_first_turn` and checks its requests.
 
 Every check raises a ValueError naming the request, the turn and the field, so bad scheduler
 output is found where it is made, not as a misaligned trajectory later.
@@ -6,12 +7,15 @@ output is found where it is made, not as a misaligned trajectory later.
 
 from __future__ import annotations
 
+import asyncio
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .scheduler import MultiTurnRequest, ResponseChoice
+from .limits import maybe_await
+from .lockstep import no_running_loop
+from .scheduler import MultiTurnRequest, MultiTurnScheduler, ResponseChoice
 from .trajectory import validate_tokens
 
 STEP_KEYS = ("infer_request", "response_token_ids", "response_loss_mask", "rollout_logprobs", "rollout_infos")
@@ -133,3 +137,27 @@ def step_result(
             f"response_token_ids ({len(expected)} tokens); rebuild it with reply()/continue_turn()"
         )
     return StepResult(nxt, list(ids), [int(m) for m in mask], logprobs, infos)
+
+
+async def prepare_requests_async(
+    scheduler: MultiTurnScheduler, requests: Sequence[MultiTurnRequest]
+) -> list[MultiTurnRequest]:
+    """Run `scheduler.before_first_turn` (sync or async) on the requests before turn 1."""
+    out = await maybe_await(scheduler.before_first_turn(list(requests)))
+    where = f"{type(scheduler).__name__}.before_first_turn"
+    if not isinstance(out, list) or not all(isinstance(r, MultiTurnRequest) for r in out):
+        raise ValueError(f"{where} must return a list of MultiTurnRequest, got {type(out).__name__}")
+    if [r.index for r in out] != [r.index for r in requests]:
+        raise ValueError(
+            f"{where} returned requests {[r.index for r in out]}; expected one per request, in order "
+            f"({[r.index for r in requests]})"
+        )
+    return out
+
+
+def prepare_requests(
+    scheduler: MultiTurnScheduler, requests: Sequence[MultiTurnRequest]
+) -> list[MultiTurnRequest]:
+    """`prepare_requests_async` from synchronous code."""
+    no_running_loop("prepare_requests")
+    return asyncio.run(prepare_requests_async(scheduler, requests))

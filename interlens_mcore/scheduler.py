@@ -12,7 +12,6 @@ the previous prompt + response, so the trajectory is, token for token, what the 
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -21,8 +20,7 @@ from typing import Any
 
 from .chat import ChatFormat
 from .engine import Engine, GenerationRequest, SamplingParams
-from .limits import maybe_await
-from .lockstep import check_temperature, no_running_loop
+from .lockstep import check_temperature
 from .sampling import mix_seed
 from .trajectory import Status, TrainTurns, Trajectory, TurnTokens, assemble, logprobs_fit
 from .vote import RolloutError, RolloutValueError
@@ -204,7 +202,9 @@ class MultiTurnScheduler(ABC):
     to change what the just-finished turn contributes (e.g. cut a reply at a stop string; pass
     the same ids to `reply(..., response_token_ids=...)`).
     Leave the last message as the assistant's (`continue_turn`) and the next engine call
-    continues the same turn.
+    continues the same turn. `before_first_turn` (sync or async) may rewrite the requests
+    before the first engine call (e.g. reset an environment and show its first observation);
+    the caller runs it with `prepare_requests`.
     """
 
     def __init__(self, chat: ChatFormat | None = None, max_turns: int | None = None):
@@ -376,27 +376,3 @@ class EngineRollout:
 
 
 RolloutFn = Callable[[list[MultiTurnRequest], Any], list[ResponseChoice]]
-
-
-async def prepare_requests_async(
-    scheduler: MultiTurnScheduler, requests: Sequence[MultiTurnRequest]
-) -> list[MultiTurnRequest]:
-    """Run `scheduler.before_first_turn` (sync or async) on the requests before turn 1."""
-    out = await maybe_await(scheduler.before_first_turn(list(requests)))
-    where = f"{type(scheduler).__name__}.before_first_turn"
-    if not isinstance(out, list) or not all(isinstance(r, MultiTurnRequest) for r in out):
-        raise ValueError(f"{where} must return a list of MultiTurnRequest, got {type(out).__name__}")
-    if [r.index for r in out] != [r.index for r in requests]:
-        raise ValueError(
-            f"{where} returned requests {[r.index for r in out]}; expected one per request, in order "
-            f"({[r.index for r in requests]})"
-        )
-    return out
-
-
-def prepare_requests(
-    scheduler: MultiTurnScheduler, requests: Sequence[MultiTurnRequest]
-) -> list[MultiTurnRequest]:
-    """`prepare_requests_async` from synchronous code."""
-    no_running_loop("prepare_requests")
-    return asyncio.run(prepare_requests_async(scheduler, requests))
