@@ -143,7 +143,8 @@ class TurnTokens:
 
 
 def check_train_turns(train: TrainTurns, where: str) -> None:
-    if not (train in ("all", "last") if isinstance(train, str) else all(isinstance(b, bool) for b in train)):
+    ok = train in ("all", "last") if isinstance(train, str) else isinstance(train, (list, tuple))
+    if not ok or (not isinstance(train, str) and not all(isinstance(b, bool) for b in train)):
         raise ValueError(f"{where}: train_turns must be 'all', 'last' or a list of bools, got {train!r}")
 
 
