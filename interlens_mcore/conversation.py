@@ -322,13 +322,13 @@ class Conversation:
     def _append_to_view(self, p: Policy, m: Message) -> None:
         view = self.views[p.name]
         if m.speaker == p.name and m.token_ids is not None and not m.edited:
-            view.append(p.chat.generation_prompt_ids())
-            start = len(view.token_ids)
-            view.append(list(m.token_ids))
-            turn = TurnTokens(
-                start=start, mask=[1] * len(m.token_ids), logprobs=m.logprobs, finish_reason=m.finish_reason
+            # the turn's span opens with the assistant opener (mask 0), then the sampled ids
+            opener, start = p.chat.generation_prompt_ids(), len(view.token_ids)
+            view.append(opener + list(m.token_ids))
+            mask = [0] * len(opener) + [1] * len(m.token_ids)
+            view.own_turns.append(
+                TurnTokens(start=start, mask=mask, logprobs=m.logprobs, finish_reason=m.finish_reason)
             )
-            view.own_turns.append(turn)
             view.append(p.chat.close_ids(m.finish_reason))
         elif m.speaker == p.name:  # edited or injected: rendered text, not sampled, never trained
             view.append(p.chat.message_ids("assistant", m.content))
