@@ -139,6 +139,9 @@ def _finish_or_step(slot: _Slot, run: _Run, turn: int) -> bool:
     # the hook's `done` decides; None lets check_finished decide
     done, infos = turn_end_result(slot.turn_end, f"{_where(slot, turn)}: on_turn_end")
     slot.output.rollout_infos.update(infos)
+    if slot.choice.truncated:  # no room for another turn: this request alone ends, its turns kept
+        _freeze(slot, turn, Status.TRUNCATED)
+        return False
     finished = done if done is not None else scheduler.check_finished(slot.request, slot.choice, turn)
     capped = any(m is not None and turn >= m for m in (max_turns, scheduler.max_turns))
     if finished or (max_turns is not None and turn >= max_turns):

@@ -68,6 +68,7 @@ class ResponseChoice:
     token_ids: list[int]  # sampled ids, verbatim
     logprobs: list[float] | None  # one per sampled id; None when the engine gives none
     finish_reason: str  # "stop" | "length"
+    truncated: bool = False  # the engine's context cut (or left no room for) it: the request ends
 
 
 @dataclass(kw_only=True)
@@ -351,28 +352,38 @@ class EngineRollout:
     seed: int = 0
 
     def __call__(self, requests: Sequence[MultiTurnRequest], config: SamplingParams) -> list[ResponseChoice]:
+        """One choice per request; a request the context cannot hold gets an empty truncated one."""
         check_temperature(config.temperature, "EngineRollout")
+        room = [self.engine.max_context - len(r.prompt_ids) for r in requests]
+        fits = [i for i, r in enumerate(requests) if room[i] > 0]
         rows = [
             GenerationRequest(
-                prompt_ids=r.prompt_ids,
-                max_new_tokens=config.max_new_tokens,
+                prompt_ids=requests[i].prompt_ids,
+                max_new_tokens=min(config.max_new_tokens, room[i]),
                 temperature=config.temperature,
-                seed=mix_seed(self.seed, r.index, r.turn),
+                seed=mix_seed(self.seed, requests[i].index, requests[i].turn),
                 stop_token_ids=self.chat.stop_token_ids,
-                tag=f"request {r.index}",
+                tag=f"request {requests[i].index}",
             )
-            for r in requests
+            for i in fits
         ]
         # called with no rows too: a colocated engine's forward is a collective
-        return [
-            ResponseChoice(
-                text=self.chat.decode(g.token_ids),
-                token_ids=g.token_ids,
-                logprobs=g.logprobs,
-                finish_reason=g.finish_reason,
+        made = dict(zip(fits, self.engine.generate(rows), strict=True))
+        out = []
+        for i in range(len(requests)):
+            g = made.get(i)
+            ids = [] if g is None else g.token_ids
+            out.append(
+                ResponseChoice(
+                    text=self.chat.decode(ids),
+                    token_ids=ids,
+                    logprobs=[] if g is None else g.logprobs,
+                    finish_reason="length" if g is None else g.finish_reason,
+                    # the reply filled the context, not its own cap: there is no next turn
+                    truncated=len(ids) >= room[i],
+                )
             )
-            for g in self.engine.generate(rows)
-        ]
+        return out
 
 
 RolloutFn = Callable[[list[MultiTurnRequest], Any], list[ResponseChoice]]

@@ -531,3 +531,23 @@ def test_run_multi_turn_async_inside_an_event_loop(chat):
         return outs
 
     assert [o.num_turns for o in asyncio.run(main())] == [2, 2]
+
+
+def test_a_request_that_outgrows_the_context_ends_alone(tiny, chat):
+    model, tokenizer = tiny
+    rollout = EngineRollout(HFEngine(model, tokenizer, name="small", max_context=48), chat, seed=1)
+    requests = make_requests(chat, 2)
+    requests.append(
+        MultiTurnRequest.from_messages(chat, [{"role": "user", "content": "word " * 60}], index=2)
+    )
+    first = rollout(requests, CFG)  # on main the engine raised for the whole batch here
+    outs = run_multi_turn(requests, first, KeepGoing(chat, tool), rollout, CFG, max_turns=8)
+    for out in outs[:2]:  # they grow by a tool message and 6 sampled tokens a turn
+        traj = out.to_trajectory()
+        assert out.status is Status.TRUNCATED and 1 < out.num_turns < 8
+        # every sampled token was sampled inside the context; what follows is context (mask 0)
+        assert max(t.end for t in traj.turns if t.end > t.start) <= 48 and traj.logprobs_complete
+        assert traj.num_trained_tokens == sum(map(sum, out.response_loss_mask)) > 6
+    too_long = outs[2]  # no room for a single token: ends at once, nothing sampled
+    assert too_long.status is Status.TRUNCATED and too_long.num_turns == 1
+    assert too_long.response_token_ids == [[]] and too_long.to_trajectory().num_trained_tokens == 0
