@@ -18,7 +18,7 @@ A driver implements `Driver`; `run_rounds` runs it::
         def __init__(self): self.left = 1
         async def local(self):
             return {"gen": Need(engine="policy", rows=self.left)} if self.left else {}
-        def call(self, needs):
+        def call(self, calls):  # [Call("gen", "policy", rows=[1, ...])], the same on every rank
             self.left = 0
     await run_rounds(Once(), gather_fn=local_gather, rank=0)
 """
