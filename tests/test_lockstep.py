@@ -193,3 +193,30 @@ def test_two_gloo_ranks_make_the_same_calls_and_fail_together():
     assert r0 == r1 == 3 and calls0 == calls1  # the idle rank joined every call
     assert calls0 == [[("a", [1, 1])], [("a", [0, 1]), ("b", [0, 1])], [("a", [0, 1])]]
     assert n0 == n1 == 2 and err0 == err1 and err0[0][0] == 1 and "local phase broke" in err0[0][1]
+
+
+def _mixed_environments(rank, world, tiny_path):
+    from _fakes import Endless, Feedback
+    from transformers import AutoTokenizer
+
+    from interlens_mcore import Conversation, MaxTurns, Policy, SamplingParams, co_step, parallel
+
+    tok = AutoTokenizer.from_pretrained(tiny_path)
+    engine = Endless()
+    pol = Policy("agent", engine, tok, SamplingParams(max_new_tokens=2))
+    groups = parallel.build_groups(rollout="world", vote_timeout_s=60)
+    # every conversation has an environment of its own name, different on each rank
+    convs = [
+        Conversation(
+            [pol, Feedback(i, name=f"env{rank}-{i}")], run_until=MaxTurns(2 + 2 * rank), id=f"r{rank}c{i}"
+        )
+        for i in range(3)
+    ]
+    co_step(convs, gather_fn=groups.gather_fn(), rank=groups.rollout_rank)
+    return engine.calls
+
+
+def test_two_ranks_batch_by_speaker_across_environments(tiny_path):
+    calls0, calls1 = run_ranks(_mixed_environments, 2, str(tiny_path), timeout=120)
+    # one aligned call per policy round, all three rows in it; rank 0 idles in round 2
+    assert calls0 == [[2, 2, 2], []] and calls1 == [[2, 2, 2], [2, 2, 2]]
