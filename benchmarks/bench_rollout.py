@@ -7,6 +7,9 @@ versus the loop a user would write with transformers `generate` per conversation
 N conversations x 4 policy turns against an environment participant, on the tiny model.
 One-at-a-time runs are independent of N, so for N > --sequential-sample they run on the first
 --sequential-sample conversations and are compared by tokens per second.
+`engine_calls_mixed_envs` counts the engine calls of 12 conversations that each face their own
+environment, `engine_calls_one_env` those of 12 that share one: batching is by the speaking
+policy, so the two are equal.
 Prints one JSON object as the last line (with several N: the largest N's keys, plus "runs").
 """
 
@@ -18,7 +21,7 @@ import time
 import torch
 from common import Feedback, emit, make_convs, stop_free_policy, timed
 
-from interlens_mcore import HFEngine, co_step
+from interlens_mcore import Conversation, HFEngine, MaxTurns, Message, co_step
 from interlens_mcore.assets import load_tiny
 
 
@@ -62,6 +65,40 @@ class _Turns:
         self.turns_taken = turns_taken
 
 
+class _Counting:
+    """Counts generate calls of the engine it wraps."""
+
+    def __init__(self, engine: HFEngine):
+        self.engine, self.name, self.max_context, self.calls = engine, engine.name, engine.max_context, 0
+
+    def generate(self, requests):
+        self.calls += 1
+        return self.engine.generate(requests)
+
+
+class _Named(Feedback):
+    def __init__(self, secret: int, name: str):
+        super().__init__(secret)
+        self.name = name
+
+
+def engine_calls(model, tok, n: int, turns: int, distinct_envs: bool) -> int:
+    """Engine calls of n conversations, each with its own environment name or all with one."""
+    engine = _Counting(HFEngine(model, tok))
+    policy = stop_free_policy(engine, tok, 4)
+    convs = [
+        Conversation(
+            [policy, _Named(i, f"env{i}") if distinct_envs else Feedback(i)],
+            [Message(speaker="user", content=f"guess the number {i}")],
+            run_until=MaxTurns(2 * turns),
+            id=f"calls{i}",
+        )
+        for i in range(n)
+    ]
+    co_step(convs, turns=None)
+    return engine.calls
+
+
 def measure(model, tok, n: int, args) -> dict:
     engine = HFEngine(model, tok)
     policy = stop_free_policy(engine, tok, args.max_new_tokens)
@@ -87,6 +124,8 @@ def measure(model, tok, n: int, args) -> dict:
         "speedup": round(rate["b"] / rate["s"], 2),
         "speedup_vs_hf_generate": round(rate["b"] / rate["h"], 2),
         "engine_time_fraction": round(b_forward / b_wall, 3),
+        "engine_calls_mixed_envs": engine_calls(model, tok, 12, args.turns, distinct_envs=True),
+        "engine_calls_one_env": engine_calls(model, tok, 12, args.turns, distinct_envs=False),
         "threads": args.threads,
     }
 

@@ -4,7 +4,7 @@ from .advantages import group_advantages
 from .batch import TrainingBatch, build_batch
 from .chat import ChatFormat
 from .conversation import Conversation, Environment, Participant, Policy, Scripted
-from .costep import co_step, schedule_signature
+from .costep import co_step, co_step_async, schedule_signature
 from .engine import Engine, Generation, GenerationRequest, HFEngine, SamplingParams
 from .loss import LossConfig, grpo_loss
 from .mixin import RolloutMixin
@@ -17,7 +17,9 @@ from .multiturn import (
     ResponseChoice,
     RolloutOutput,
     ToolScheduler,
+    prepare_requests,
     run_multi_turn,
+    run_multi_turn_async,
 )
 from .parallel import ParallelGroups, build_groups
 from .stop import AnyOf, MaxTurns, Predicate, StopCondition, TokenBudget, stop_when
@@ -62,9 +64,12 @@ __all__ = [
     "build_batch",
     "build_groups",
     "co_step",
+    "co_step_async",
     "group_advantages",
     "grpo_loss",
+    "prepare_requests",
     "run_multi_turn",
+    "run_multi_turn_async",
     "schedule_signature",
     "stop_when",
 ]

@@ -178,15 +178,12 @@ def _flatten(trajectories: Sequence[Trajectory]) -> _Flat:
             f"trajectories[{i}].loss_mask[0] is 1, but the first token has no position before it "
             "to predict it from"
         )
-    # Trajectory.logprobs_complete, vectorised: one logprob per mask-1 token, else IS is off.
-    n_lp = np.fromiter(
-        (-1 if t.rollout_logprobs is None else len(t.rollout_logprobs) for t in trajectories), np.int64, n
-    )
-    complete = n_lp == trained
+    # the completeness rule is the trajectory's own (trajectory.logprobs_fit): IS is off otherwise
+    complete = np.fromiter((t.logprobs_complete for t in trajectories), bool, n)
     logprobs = np.zeros(total, np.float32)
     where = mask & complete[sample]
     values = chain.from_iterable(
-        t.rollout_logprobs for t, ok in zip(trajectories, complete, strict=True) if ok
+        t.rollout_logprobs or () for t, ok in zip(trajectories, complete, strict=True) if ok
     )
     # Boolean assignment fills in token order, which is the order of each sample's logprobs.
     logprobs[where] = np.fromiter(values, np.float64, int(where.sum()))

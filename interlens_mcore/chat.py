@@ -26,6 +26,7 @@ class ChatFormat:
             raise ValueError("ChatFormat needs a tokenizer with a chat_template")
         if self.tokenizer.eos_token_id is None:
             raise ValueError("ChatFormat needs a tokenizer with an eos_token (end of turn)")
+        self._control = tuple(t for t in self.tokenizer.all_special_tokens if t)  # control strings
         one = [{"role": "user", "content": _PROBE}]
         plain = self._render(one, add_generation_prompt=False)
         with_prompt = self._render(one, add_generation_prompt=True)
@@ -46,11 +47,32 @@ class ChatFormat:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def message_ids(self, role: str, content: str) -> list[int]:
-        """Token ids of one message rendered on its own."""
-        frame = self._frame(role)
+    def encode_text(self, text: str) -> list[int]:
+        """Ids of `text` read as plain text: control strings in it (`<|im_end|>`) are not tokens."""
+        if not self._has_control_text(text):
+            return self.encode(text)
+        return list(self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+
+    def _has_control_text(self, text: str) -> bool:
+        return any(t in text for t in self._control)
+
+    def message_ids(self, role: str, content: str, *, name: str | None = None) -> list[int]:
+        """Token ids of one message rendered on its own; its content is text, never control.
+
+        `name` (the speaker's seat) goes to the template's `name` field; a template that
+        ignores it renders the message as if it were absent.
+        """
+        frame = self._frame(role) if name is None else None
         if frame is None:
-            return self.encode(self._render([{"role": role, "content": content}], False))
+            message = {"role": role, "content": content, **({"name": name} if name is not None else {})}
+            if self._has_control_text(content):
+                raise ValueError(
+                    f"message of role {role!r} holds control text of the chat template ({content[:40]!r}) "
+                    "and this template cannot be split around the content; remove it from the message"
+                )
+            return self.encode(self._render([message], False))
+        if self._has_control_text(content):  # the frame is control, the content is text
+            return self.encode(frame[0]) + self.encode_text(content) + self.encode(frame[1])
         return self.encode(frame[0] + content + frame[1])
 
     def _frame(self, role: str) -> tuple[str, str] | None:

@@ -9,17 +9,18 @@ the trainer unchanged.
 
 from __future__ import annotations
 
-import itertools
+import dataclasses
 import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from .chat import ChatFormat
 from .engine import Engine, SamplingParams
+from .lockstep import check_temperature
 from .stop import StopCondition, ambient_conditions
-from .trajectory import Message, Status, Trajectory, TurnSpan
+from .trajectory import Message, Status, TrainTurns, Trajectory, TurnTokens, assemble, check_train_turns
 
 Hook = Callable[["Conversation", Message], "Message | None"]
 
@@ -47,12 +48,12 @@ class Policy(Participant):
     tokenizer: Any
     sampling: SamplingParams = field(default_factory=SamplingParams)
     trainable: bool = True
-    train_turns: str = "all"  # "all" of its turns carry loss mask 1, or only the "last"
+    train_turns: TrainTurns = "all"  # its turns with loss mask 1: "all", the "last", one bool per turn
     system_prompt: str | None = None
 
     def __post_init__(self) -> None:
-        if self.train_turns not in ("all", "last"):
-            raise ValueError(f"Policy.train_turns must be 'all' or 'last', got {self.train_turns!r}")
+        check_train_turns(self.train_turns, f"Policy {self.name!r}")
+        check_temperature(self.sampling.temperature, f"Policy {self.name!r}")
         self.chat = ChatFormat(self.tokenizer)
 
     @property
@@ -60,8 +61,9 @@ class Policy(Participant):
         return True
 
     def signature(self) -> tuple:
-        s = self.sampling
-        return ("policy", self.name, self.engine.name, s.temperature, s.max_new_tokens)
+        # the engine by name: signatures are compared across ranks; co_step makes sure one
+        # name means one engine object. The sampling settings whole, whatever fields they have.
+        return ("policy", self.name, self.engine.name, repr(self.sampling), self.chat.stop_token_ids)
 
 
 class Environment(Participant):
@@ -71,7 +73,8 @@ class Environment(Participant):
     silent this turn; call `conv.request_stop(reason)` to end the conversation. A returned
     Message must name this participant as its speaker and carry no token ids (only a policy's
     sampled turns do). Set `timeout_s` to bound each of its turns; a turn that runs past it
-    ends the conversation with status TIMEOUT::
+    ends the conversation with status TIMEOUT. One instance may serve many conversations: keep
+    per-conversation state in `conv.state(self)`, not on the instance::
 
         class Echo(Environment):
             name = "echo"
@@ -102,37 +105,45 @@ class Environment(Participant):
 
 
 class Scripted(Environment):
-    """Says its lines in order, then stays silent."""
+    """Says its lines in order, then stays silent; each conversation hears every line."""
 
     def __init__(self, name: str, lines: Sequence[str], role: str = "user"):
         self.name, self.lines, self.role = name, list(lines), role
-        self._said = 0
 
     def respond(self, conv: Conversation) -> str | None:
-        if self._said >= len(self.lines):
+        state = conv.state(self)
+        said = state.get("said", 0)
+        if said >= len(self.lines):
             return None
-        self._said += 1
-        return self.lines[self._said - 1]
+        state["said"] = said + 1
+        return self.lines[said]
 
 
 @dataclass
 class View:
-    """One policy participant's token-space view of a conversation."""
+    """One policy participant's token-space view of a conversation, growing by appending."""
 
     token_ids: list[int] = field(default_factory=list)
-    own_turns: list[tuple[int, int, int, list[float], str | None]] = field(default_factory=list)
-    # (span start, sampled start, sampled end, logprobs, finish_reason) of each own sampled turn
+    own_turns: list[TurnTokens] = field(default_factory=list)  # its sampled, unedited turns
 
     def append(self, ids: list[int]) -> None:
         self.token_ids.extend(ids)
 
 
-_ids = itertools.count()
+# how a policy sees other seats' messages: as anonymous role messages, with a "[name]: "
+# prefix on the text, or with the chat template's `name` field
+SeatNames = Literal["anonymous", "prefix", "field"]
+SEAT_NAMES = ("anonymous", "prefix", "field")
 
 
 @dataclass(eq=False)
 class Conversation:
-    """A lineup, an opening transcript, per-conversation stop conditions and hooks."""
+    """A lineup, an opening transcript, per-conversation stop conditions and hooks.
+
+    Without an `id`, `co_step` names it by its place in the call (`conv0`, `conv1`, ...), so
+    its random stream (the `seed`, a hash of the id unless given) never depends on how many
+    other conversations the process made.
+    """
 
     lineup: list[Participant]
     prompt: list[Message] = field(default_factory=list)  # opening messages, seen by everyone
@@ -142,6 +153,7 @@ class Conversation:
     seed: int | None = None  # this conversation's random stream; defaults to a hash of `id`
     group: int = 0  # prompt index for group advantages
     infos: dict[str, Any] = field(default_factory=dict)
+    seat_names: SeatNames = "anonymous"  # how other seats' messages are rendered to a policy
 
     messages: list[Message] = field(default_factory=list, init=False)
     turns_taken: int = field(default=0, init=False)
@@ -150,33 +162,39 @@ class Conversation:
 
     def __post_init__(self) -> None:
         if not self.lineup:
-            raise ValueError("Conversation.lineup must name at least one participant")
+            raise ValueError(f"conversation {self.id!r}: lineup must name at least one participant")
         names = [p.name for p in self.lineup]
         if len(set(names)) != len(names):
-            raise ValueError(f"Conversation.lineup names must be unique, got {names}")
-        self.id = self.id or f"conv{next(_ids)}"
-        if self.seed is None:
-            self.seed = zlib.crc32(self.id.encode())
+            raise ValueError(f"conversation {self.id!r}: lineup names must be unique, got {names}")
+        if self.seat_names not in SEAT_NAMES:
+            raise ValueError(
+                f"conversation {self.id!r}: seat_names must be one of {SEAT_NAMES}, got {self.seat_names!r}"
+            )
         own = self.run_until
         own = [] if own is None else [own] if isinstance(own, StopCondition) else list(own)
         for c in own:
             if not isinstance(c, StopCondition):
-                raise ValueError(f"conversation {self.id}: run_until holds {type(c).__name__}")
+                raise ValueError(f"conversation {self.id!r}: run_until holds {type(c).__name__}")
         self._stop_sources = own
         self._stops: list[StopCondition] | None = None
         self._stop_requested: str | None = None
+        self._state: dict[str, dict[str, Any]] = {}
         self.views: dict[str, View] = {}
 
     # -- set-up -----------------------------------------------------------------------------
-    def start(self) -> None:
-        """Clone the stop conditions (own + ambient, each once) and render the opening views."""
+    def start(self, default_id: str = "conv0") -> None:
+        """Name and seed it, clone the stop conditions (own + ambient, each once) and render
+        the opening views; a second call (a later chunk of turns) changes nothing."""
         if self._stops is not None:
             return
+        self.id = self.id or default_id
+        if self.seed is None:
+            self.seed = zlib.crc32(self.id.encode())
         seen, stops = set(), []
         for c in [*self._stop_sources, *ambient_conditions()]:
             if id(c) not in seen:
                 seen.add(id(c))
-                stops.append(c.clone())
+                stops.append(self._clone(c))
         self._stops = stops
         for p in self.policies():
             view = View()
@@ -186,8 +204,22 @@ class Conversation:
                 view.append(p.chat.message_ids(m.role, m.content))
             self.views[p.name] = view
 
+    def _clone(self, condition: StopCondition) -> StopCondition:
+        try:
+            return condition.clone()
+        except Exception as exc:  # e.g. deepcopy of a lock: name what cannot be copied
+            raise ValueError(
+                f"conversation {self.id}: stop condition {type(condition).__name__} cannot be cloned "
+                f"({type(exc).__name__}: {exc}); every conversation needs its own copy: override "
+                "clone() to build a fresh one"
+            ) from exc
+
     def policies(self) -> list[Policy]:
         return [p for p in self.lineup if isinstance(p, Policy)]
+
+    def state(self, participant: Participant) -> dict[str, Any]:
+        """Scratch space of one participant in this conversation only (e.g. lines said so far)."""
+        return self._state.setdefault(participant.name, {})
 
     # -- schedule ---------------------------------------------------------------------------
     @property
@@ -215,20 +247,31 @@ class Conversation:
         """Run hooks, append the message to the transcript and every view, update stops."""
         if message is not None:
             self._check_message(speaker, message, f"participant {speaker.name!r} returned")
+        sampled = message if isinstance(speaker, Policy) and message is not None else None
         for hook in self.hooks:
             if message is None:
                 break
-            out = hook(self, message)
-            source = f"hook {getattr(hook, '__name__', hook)!r} returned"
+            source = f"hook {getattr(hook, '__name__', hook)!r}"
+            # each hook edits a copy: an in-place edit is then an edit like any other
+            copy = dataclasses.replace(
+                message,
+                token_ids=None if message.token_ids is None else list(message.token_ids),
+                logprobs=None if message.logprobs is None else list(message.logprobs),
+            )
+            try:
+                out = hook(self, copy)
+            except Exception as exc:
+                exc.add_note(f"conversation {self.id}: {source} raised")
+                raise
             if out is not None and not isinstance(out, Message):
                 raise ValueError(
-                    f"conversation {self.id}: {source} {type(out).__name__}; "
+                    f"conversation {self.id}: {source} returned {type(out).__name__}; "
                     "expected a Message (keep or edit) or None (drop)"
                 )
             if out is not None:
-                self._check_message(speaker, out, source)
-            if out is not None and out is not message and out.token_ids is not None:
-                out.edited = out.edited or out.content != message.content
+                self._check_message(speaker, out, f"{source} returned")
+                if sampled is not None:
+                    self._check_sampled(sampled, out, source)
             message = out
         if message is not None:
             self.messages.append(message)
@@ -243,6 +286,20 @@ class Conversation:
             fired = [type(s).__name__ for s in self._stops or [] if s.should_stop(self)]
             if fired:
                 self._finish(Status.STOPPED, fired[0])
+
+    def _check_sampled(self, sampled: Message, out: Message, source: str) -> None:
+        """A hook may edit a policy turn's text (then it is rendered, not trained), never its ids.
+
+        Ids or logprobs the engine did not produce would be trained under loss mask 1.
+        """
+        if out.token_ids is not None and (
+            out.token_ids != sampled.token_ids or out.logprobs != sampled.logprobs
+        ):
+            raise ValueError(
+                f"conversation {self.id}: {source} returned token_ids/logprobs the engine did not "
+                "sample; edit the content (it is rendered as text and not trained) or keep the ids"
+            )
+        out.edited = out.edited or out.content != sampled.content
 
     def _check_message(self, speaker: Participant, m: Message, source: str) -> None:
         """A message may only speak for its own speaker, and only a policy's may carry ids.
@@ -265,61 +322,46 @@ class Conversation:
     def _append_to_view(self, p: Policy, m: Message) -> None:
         view = self.views[p.name]
         if m.speaker == p.name and m.token_ids is not None and not m.edited:
-            start = len(view.token_ids)
-            view.append(p.chat.generation_prompt_ids())
-            s0 = len(view.token_ids)
-            view.append(list(m.token_ids))
-            view.own_turns.append((start, s0, len(view.token_ids), list(m.logprobs or []), m.finish_reason))
+            # the turn's span opens with the assistant opener (mask 0), then the sampled ids
+            opener, start = p.chat.generation_prompt_ids(), len(view.token_ids)
+            view.append(opener + list(m.token_ids))
+            mask = [0] * len(opener) + [1] * len(m.token_ids)
+            view.own_turns.append(
+                TurnTokens(start=start, mask=mask, logprobs=m.logprobs, finish_reason=m.finish_reason)
+            )
             view.append(p.chat.close_ids(m.finish_reason))
         elif m.speaker == p.name:  # edited or injected: rendered text, not sampled, never trained
             view.append(p.chat.message_ids("assistant", m.content))
         else:
             role = "user" if m.role == "assistant" else m.role
-            view.append(p.chat.message_ids(role, m.content))
+            if self.seat_names == "prefix":
+                view.append(p.chat.message_ids(role, f"[{m.speaker}]: {m.content}"))
+            else:
+                name = m.speaker if self.seat_names == "field" else None
+                view.append(p.chat.message_ids(role, m.content, name=name))
 
     def _finish(self, status: Status, reason: str) -> None:
         self.status, self.stop_reason = status, reason
 
     def end(self, status: Status, reason: str) -> None:
-        """Mark the conversation finished by the runner (turn count reached, failure)."""
+        """Mark the conversation finished by the runner (context outgrown, failure, timeout)."""
         if not self.finished:
             self._finish(status, reason)
 
     # -- output -----------------------------------------------------------------------------
     def trajectories(self) -> list[Trajectory]:
         """One trajectory per trainable policy participant, in lineup order."""
-        out = []
-        for p in self.policies():
-            if not p.trainable:
-                continue
-            view = self.views[p.name]
-            turns = view.own_turns if p.train_turns == "all" else view.own_turns[-1:]
-            mask = [0] * len(view.token_ids)
-            logprobs: list[float] = []
-            spans = []
-            for start, s0, s1, lps, reason in turns:
-                mask[s0:s1] = [1] * (s1 - s0)
-                logprobs.extend(lps)
-                spans.append(
-                    TurnSpan(start=start, end=s1, speaker=p.name, trained=True, finish_reason=reason)
-                )
-            complete = len(logprobs) == sum(mask)
-            out.append(
-                Trajectory(
-                    token_ids=list(view.token_ids),
-                    loss_mask=mask,
-                    rollout_logprobs=logprobs if complete else None,
-                    turns=spans,
-                    participant=p.name,
-                    group=self.group,
-                    status=self.status,
-                    infos={
-                        "conversation": self.id,
-                        "turns": self.turns_taken,
-                        "stop_reason": self.stop_reason,
-                        "logprobs_complete": complete,
-                        **self.infos,
-                    },
-                )
+        infos = {"conversation": self.id, "turns": self.turns_taken, "stop_reason": self.stop_reason}
+        return [
+            assemble(
+                self.views[p.name].token_ids,
+                self.views[p.name].own_turns,
+                train=p.train_turns,
+                participant=p.name,
+                group=self.group,
+                status=self.status,
+                infos={**infos, **self.infos},
             )
-        return out
+            for p in self.policies()
+            if p.trainable
+        ]

@@ -63,7 +63,9 @@ class Generation:
 
 @runtime_checkable
 class Engine(Protocol):
-    """Anything that generates rows. `name` identifies the model for schedule signatures.
+    """Anything that generates rows. Rollouts tell engines apart by object; `name` is for
+    display and for aligning engine calls across ranks, so two different engines in one
+    rollout need different names (`co_step` refuses two under one name).
 
     Example (a fake that always answers token 7 once)::
 

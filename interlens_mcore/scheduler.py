@@ -20,8 +20,10 @@ from typing import Any
 
 from .chat import ChatFormat
 from .engine import Engine, GenerationRequest, SamplingParams
+from .lockstep import check_temperature
 from .sampling import mix_seed
-from .trajectory import Status, Trajectory, TurnSpan, complete_or_none
+from .trajectory import Status, TrainTurns, Trajectory, TurnTokens, assemble, logprobs_fit
+from .vote import RolloutError, RolloutValueError
 
 
 @dataclass(kw_only=True)
@@ -33,6 +35,8 @@ class MultiTurnRequest:
     messages: list[dict[str, str]] = field(default_factory=list)  # text transcript, for schedulers
     data: dict[str, Any] = field(default_factory=dict)  # free per-request state (answer, env config)
     turn: int = 1  # 1-based engine call this request asks for; the driver sets it
+    # set by reply()/continue_turn(): (ids, loss mask) the just-finished turn contributes
+    response: tuple[list[int], list[int]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -42,9 +46,17 @@ class MultiTurnRequest:
     def from_messages(
         cls, chat: ChatFormat, messages: list[dict[str, str]], *, index: int, data: dict | None = None
     ) -> MultiTurnRequest:
-        """Render every message once, then open the assistant's turn."""
-        ids = [t for m in messages for t in chat.message_ids(m["role"], m["content"])]
+        """Render every message once, then open the assistant's turn.
+
+        A last message of role assistant is a prefill: the turn opens with its text and the
+        engine continues that message (one assistant message, in the messages and the tokens).
+        """
+        prefill = bool(messages) and messages[-1]["role"] == "assistant"
+        head = messages[:-1] if prefill else messages
+        ids = [t for m in head for t in chat.message_ids(m["role"], m["content"])]
         ids += chat.generation_prompt_ids()
+        if prefill:
+            ids += chat.encode_text(messages[-1]["content"])
         return cls(index=index, prompt_ids=ids, messages=[dict(m) for m in messages], data=data or {})
 
 
@@ -56,6 +68,7 @@ class ResponseChoice:
     token_ids: list[int]  # sampled ids, verbatim
     logprobs: list[float] | None  # one per sampled id; None when the engine gives none
     finish_reason: str  # "stop" | "length"
+    truncated: bool = False  # the engine's context cut (or left no room for) it: the request ends
 
 
 @dataclass(kw_only=True)
@@ -75,42 +88,97 @@ class RolloutOutput:
     error: str | None = None  # why it failed
     spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each response
     turn_finish_reasons: list[str] = field(default_factory=list)
+    train_turns: TrainTurns = "all"  # which turns to_trajectory trains (ms-swift's loss_scale)
 
     @property
     def num_turns(self) -> int:
         """Engine calls this request took; a continuation counts as a call of its own."""
         return int(self.rollout_infos.get("num_turns", 0))
 
-    def to_trajectory(self, *, group: int = 0, participant: str = "policy") -> Trajectory:
+    def add_turn(
+        self,
+        request: MultiTurnRequest,
+        ids: list[int],
+        mask: list[int],
+        logprobs: list[float] | None,
+        choice: ResponseChoice,
+        continuing: bool,
+    ) -> None:
+        """Record the response to `request` after whatever its prompt gained since the last
+        turn; a continuation extends the last turn instead of starting one."""
+        covered = len(self.prompt_ids) + sum(len(t) for t in self.response_token_ids)
+        context = request.prompt_ids[covered:]  # template/environment ids, never trained
+        finish_reason = choice.finish_reason
+        start = covered + len(context)
+        if continuing and self.response_token_ids:
+            last = self.rollout_logprobs[-1]
+            # each piece must match its own mask: a piece one short and the next one long would
+            # sum to the right count and shift every logprob of the turn by one token
+            fits = logprobs_fit(last, self.response_loss_mask[-1]) and logprobs_fit(logprobs, mask)
+            self.response_token_ids[-1] += context + ids
+            self.response_loss_mask[-1] += [0] * len(context) + mask
+            joined = (last or []) + (logprobs or [])
+            # a misfit must stay a misfit: a joined list that happens to fit (one piece short, the
+            # next long) becomes None, which cannot fit, as the turn then trains >= 1 token
+            misfit = joined if len(joined) != sum(self.response_loss_mask[-1]) else None
+            self.rollout_logprobs[-1] = joined if fits else misfit
+            self.spans[-1] = (self.spans[-1][0], start + len(ids))
+            self.turn_finish_reasons[-1] = finish_reason
+        else:
+            self.response_token_ids.append(context + ids)
+            self.response_loss_mask.append([0] * len(context) + mask)
+            self.rollout_logprobs.append(None if logprobs is None else list(logprobs))
+            self.spans.append((start, start + len(ids)))
+            self.turn_finish_reasons.append(finish_reason)
+        self.finish_reason = finish_reason
+        self.rollout_infos["num_turns"] = request.turn
+
+    def to_trajectory(
+        self, *, group: int = 0, participant: str = "policy", train_turns: TrainTurns | None = None
+    ) -> Trajectory:
         """The trajectory; rollout logprobs only if there is one per loss-mask-1 token.
 
-        Incomplete logprobs are dropped, which turns IS correction off for this sample;
-        `infos['logprobs_complete']` says so, so the trainer can count it.
+        `train_turns` (default: the run's) picks the trained turns: "all", the "last", or
+        one bool per turn. Incomplete logprobs are dropped, which turns IS correction off for
+        this sample; `infos['logprobs_complete']` says so, so the trainer can count it.
         """
         ids = self.prompt_ids + [t for turn in self.response_token_ids for t in turn]
-        mask = [0] * len(self.prompt_ids) + [m for turn in self.response_loss_mask for m in turn]
-        # check turn by turn: a turn short of a logprob must not borrow a neighbour's surplus
-        aligned = all(
-            lp is not None and len(lp) == sum(m)
-            for lp, m in zip(self.rollout_logprobs, self.response_loss_mask, strict=True)
-        )
-        flat = [x for lp in self.rollout_logprobs for x in lp] if aligned else None
-        logprobs, complete = complete_or_none(flat, mask)
-        spans = [
-            TurnSpan(start=s, end=e, speaker=participant, trained=1 in mask[s:e], finish_reason=r)
-            for (s, e), r in zip(self.spans, self.turn_finish_reasons, strict=True)
+        turns = [
+            # a turn's own tokens are the tail of its piece: the piece opens with context ids
+            TurnTokens(start=s, mask=piece[len(piece) - (e - s) :], logprobs=lp, finish_reason=r)
+            for (s, e), piece, lp, r in zip(
+                self.spans,
+                self.response_loss_mask,
+                self.rollout_logprobs,
+                self.turn_finish_reasons,
+                strict=True,
+            )
         ]
-        infos = {**self.rollout_infos, "logprobs_complete": complete}
-        return Trajectory(
-            token_ids=ids,
-            loss_mask=mask,
-            rollout_logprobs=logprobs,
-            turns=spans,
+        return assemble(
+            ids,
+            turns,
+            train=self.train_turns if train_turns is None else train_turns,
             participant=participant,
             group=group,
             status=self.status,
-            infos=infos,
+            infos=dict(self.rollout_infos),
         )
+
+
+class MultiTurnError(RolloutError):
+    """A failed rollout that keeps this rank's work: `outputs`, one per request, in order.
+
+    Finished requests keep their status; unfinished ones are RUNNING with the turns they had;
+    a request that failed is FAILED with its `error`.
+    """
+
+    def __init__(self, failures: list[tuple[int, str]], outputs: list[RolloutOutput]):
+        super().__init__(failures)
+        self.outputs = outputs
+
+
+class MultiTurnValueError(MultiTurnError, RolloutValueError):
+    """Bad input (a ValueError) on every failing rank."""
 
 
 class MultiTurnScheduler(ABC):
@@ -135,12 +203,23 @@ class MultiTurnScheduler(ABC):
     to change what the just-finished turn contributes (e.g. cut a reply at a stop string; pass
     the same ids to `reply(..., response_token_ids=...)`).
     Leave the last message as the assistant's (`continue_turn`) and the next engine call
-    continues the same turn.
+    continues the same turn. `before_first_turn` (sync or async) may rewrite the requests
+    before the first engine call (e.g. reset an environment and show its first observation);
+    the caller runs it with `prepare_requests`.
     """
 
     def __init__(self, chat: ChatFormat | None = None, max_turns: int | None = None):
         self.chat = chat  # needed by `reply` and `continue_turn`
         self.max_turns = max_turns
+
+    def before_first_turn(self, requests: list[MultiTurnRequest]) -> list[MultiTurnRequest]:
+        """Before the first engine call (sync or `async def`): may rewrite the requests, e.g.
+        reset an environment and put its first observation into the prompt.
+
+        The caller of `run_multi_turn` runs it, through `prepare_requests(scheduler, requests)`,
+        since it generates the first turn; return one request per request, same indices.
+        """
+        return requests
 
     def on_trajectory_start(self, requests: list[MultiTurnRequest]) -> None:
         """Called once with this rank's requests before the first turn's hooks."""
@@ -181,26 +260,55 @@ class MultiTurnScheduler(ABC):
         *,
         role: str = "user",
         response_token_ids: list[int] | None = None,
+        response_loss_mask: list[int] | None = None,
     ) -> MultiTurnRequest:
-        """Next request: this reply closed, a `role` message rendered once, an assistant opener."""
+        """Next request: this reply closed, a `role` message rendered once, an assistant opener.
+
+        `response_token_ids` / `response_loss_mask` replace what the turn contributes (e.g. a
+        reply cut at a stop string); the driver records them unless the step says otherwise.
+        """
         chat = self._chat()
-        ids = response_choice.token_ids if response_token_ids is None else response_token_ids
+        ids, response = _response(request, response_choice, response_token_ids, response_loss_mask)
         # a reply that ended on its own stop token needs only the template's tail after it
         closed = bool(ids) and ids[-1] in chat.stop_token_ids
         prompt = request.prompt_ids + list(ids) + chat.close_ids("stop" if closed else "length")
         prompt += chat.message_ids(role, content) + chat.generation_prompt_ids()
         messages = request.messages + [{"role": role, "content": content}]
-        return dataclasses.replace(request, prompt_ids=prompt, messages=messages)
+        return dataclasses.replace(request, prompt_ids=prompt, messages=messages, response=response)
 
     def continue_turn(
-        self, request: MultiTurnRequest, response_choice: ResponseChoice, text: str = ""
+        self,
+        request: MultiTurnRequest,
+        response_choice: ResponseChoice,
+        text: str = "",
+        *,
+        response_token_ids: list[int] | None = None,
+        response_loss_mask: list[int] | None = None,
     ) -> MultiTurnRequest:
-        """Next request continues the assistant's message after `text` (tokens not trained)."""
-        extra = self._chat().encode(text) if text else []
+        """Next request continues the assistant's message after `text` (tokens not trained).
+
+        `response_token_ids` / `response_loss_mask` as for `reply`.
+        """
+        extra = self._chat().encode_text(text) if text else []
+        ids, response = _response(request, response_choice, response_token_ids, response_loss_mask)
         messages = [dict(m) for m in request.messages]
         messages[-1]["content"] += text
-        prompt = request.prompt_ids + response_choice.token_ids + extra
-        return dataclasses.replace(request, prompt_ids=prompt, messages=messages)
+        prompt = request.prompt_ids + list(ids) + extra
+        return dataclasses.replace(request, prompt_ids=prompt, messages=messages, response=response)
+
+
+def _response(request, choice, ids, mask) -> tuple[list[int], tuple[list[int], list[int]] | None]:
+    """The ids a turn contributes and the override to record, checked against each other."""
+    if ids is None and mask is None:
+        return list(choice.token_ids), None
+    ids = list(choice.token_ids) if ids is None else list(ids)
+    mask = [1] * len(ids) if mask is None else list(mask)
+    if len(mask) != len(ids):
+        raise ValueError(
+            f"request {request.index}: response_loss_mask has {len(mask)} entries but "
+            f"response_token_ids has {len(ids)}"
+        )
+    return ids, (ids, mask)
 
 
 class ToolScheduler(MultiTurnScheduler):
@@ -244,27 +352,38 @@ class EngineRollout:
     seed: int = 0
 
     def __call__(self, requests: Sequence[MultiTurnRequest], config: SamplingParams) -> list[ResponseChoice]:
+        """One choice per request; a request the context cannot hold gets an empty truncated one."""
+        check_temperature(config.temperature, "EngineRollout")
+        room = [self.engine.max_context - len(r.prompt_ids) for r in requests]
+        fits = [i for i, r in enumerate(requests) if room[i] > 0]
         rows = [
             GenerationRequest(
-                prompt_ids=r.prompt_ids,
-                max_new_tokens=config.max_new_tokens,
+                prompt_ids=requests[i].prompt_ids,
+                max_new_tokens=min(config.max_new_tokens, room[i]),
                 temperature=config.temperature,
-                seed=mix_seed(self.seed, r.index, r.turn),
+                seed=mix_seed(self.seed, requests[i].index, requests[i].turn),
                 stop_token_ids=self.chat.stop_token_ids,
-                tag=f"request {r.index}",
+                tag=f"request {requests[i].index}",
             )
-            for r in requests
+            for i in fits
         ]
         # called with no rows too: a colocated engine's forward is a collective
-        return [
-            ResponseChoice(
-                text=self.chat.decode(g.token_ids),
-                token_ids=g.token_ids,
-                logprobs=g.logprobs,
-                finish_reason=g.finish_reason,
+        made = dict(zip(fits, self.engine.generate(rows), strict=True))
+        out = []
+        for i in range(len(requests)):
+            g = made.get(i)
+            ids = [] if g is None else g.token_ids
+            out.append(
+                ResponseChoice(
+                    text=self.chat.decode(ids),
+                    token_ids=ids,
+                    logprobs=[] if g is None else g.logprobs,
+                    finish_reason="length" if g is None else g.finish_reason,
+                    # the reply filled the context, not its own cap: there is no next turn
+                    truncated=len(ids) >= room[i],
+                )
             )
-            for g in self.engine.generate(rows)
-        ]
+        return out
 
 
 RolloutFn = Callable[[list[MultiTurnRequest], Any], list[ResponseChoice]]

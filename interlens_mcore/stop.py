@@ -41,6 +41,8 @@ class StopCondition(ABC):
     def should_stop(self, conv: Conversation) -> bool: ...
 
     def clone(self) -> StopCondition:
+        """This condition's copy for one conversation (fresh counters); override for state
+        that `copy.deepcopy` cannot copy (a lock, a client)."""
         return copy.deepcopy(self)
 
 
@@ -84,7 +86,11 @@ class TokenBudget(StopCondition):
 
 
 class Predicate(StopCondition):
-    """Stop when `fn(conv)` is true (e.g. a tool said the task is solved)."""
+    """Stop when `fn(conv)` is true (e.g. a tool said the task is solved).
+
+    Each conversation gets a deep copy of `fn`: a callable object keeps its state per
+    conversation (a plain function is copied as itself).
+    """
 
     def __init__(self, fn: Callable[[Conversation], bool], name: str = ""):
         self.fn = fn
@@ -94,7 +100,7 @@ class Predicate(StopCondition):
         return bool(conv.messages) and bool(self.fn(conv))
 
     def clone(self) -> StopCondition:
-        return Predicate(self.fn, self.name)  # the function is stateless; don't deepcopy it
+        return Predicate(copy.deepcopy(self.fn), self.name)
 
 
 class AnyOf(StopCondition):

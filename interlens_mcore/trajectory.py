@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 
 class Status(str, enum.Enum):
@@ -20,6 +21,11 @@ class Status(str, enum.Enum):
     MAX_TURNS = "max_turns"  # the caller's turn count ran out
     FAILED = "failed"
     TIMEOUT = "timeout"  # an environment, tool or scheduler step ran past its time limit
+    TRUNCATED = "truncated"  # the conversation outgrew its engine's context
+
+
+# which turns of a trajectory are trained: all of them, the last one, or one bool per turn
+TrainTurns = Literal["all", "last"] | Sequence[bool]
 
 
 @dataclass(kw_only=True)
@@ -87,7 +93,7 @@ class Trajectory:
     @property
     def logprobs_complete(self) -> bool:
         """True when IS correction can use this sample: one finite logprob per trained token."""
-        return self.rollout_logprobs is not None and len(self.rollout_logprobs) == sum(self.loss_mask)
+        return logprobs_fit(self.rollout_logprobs, self.loss_mask)
 
 
 def validate_tokens(
@@ -111,8 +117,81 @@ def validate_tokens(
             raise ValueError(f"{where}: rollout_logprobs must be finite, got {nonfinite[0]!r}")
 
 
-def complete_or_none(logprobs: list[float] | None, loss_mask: list[int]) -> tuple[list[float] | None, bool]:
-    """The completeness rule: keep logprobs only if there is one per loss-mask-1 token."""
-    if logprobs is not None and len(logprobs) == sum(loss_mask):
-        return logprobs, True
-    return None, False
+def logprobs_fit(logprobs: Sequence[float] | None, loss_mask: Sequence[int]) -> bool:
+    """The completeness rule, its only copy: one rollout logprob per loss-mask-1 token.
+
+    Tokens without a loss contribute no logprob, so a piece with nothing trained (an empty
+    reply) fits with no logprobs at all and cannot turn IS correction off for its sample.
+    """
+    if logprobs is None:
+        return not any(loss_mask)
+    return len(logprobs) == sum(loss_mask)
+
+
+@dataclass(kw_only=True)
+class TurnTokens:
+    """Where one response sits in a token sequence, and which of its tokens are trained."""
+
+    start: int  # first token of the response in the sequence
+    mask: list[int]  # [end - start] 1 where trained
+    logprobs: list[float] | None  # one per mask-1 token, or None
+    finish_reason: str | None = None
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.mask)
+
+
+def check_train_turns(train: TrainTurns, where: str) -> None:
+    ok = train in ("all", "last") if isinstance(train, str) else isinstance(train, (list, tuple))
+    if not ok or (not isinstance(train, str) and not all(isinstance(b, bool) for b in train)):
+        raise ValueError(f"{where}: train_turns must be 'all', 'last' or a list of bools, got {train!r}")
+
+
+def select_turns(turns: Sequence[TurnTokens], train: TrainTurns, where: str) -> list[TurnTokens]:
+    """The trained turns: all, the last, or those whose entry of a per-turn bool mask is true."""
+    if train == "all":
+        return list(turns)
+    if train == "last":
+        return list(turns[-1:])
+    check_train_turns(train, where)
+    if len(train) != len(turns):
+        raise ValueError(f"{where}: train_turns has {len(train)} entries for {len(turns)} turns")
+    return [t for t, keep in zip(turns, train, strict=True) if keep]
+
+
+def assemble(
+    token_ids: list[int],
+    turns: Sequence[TurnTokens],
+    *,
+    train: TrainTurns = "all",
+    participant: str,
+    group: int,
+    status: Status,
+    infos: dict[str, Any],
+) -> Trajectory:
+    """A trajectory over `token_ids`: the chosen turns' masks and, if every chosen turn's
+    logprobs fit it (`logprobs_fit`, turn by turn, so a turn short of a logprob cannot borrow a
+    neighbour's surplus), their logprobs; else none, and `infos['logprobs_complete']` says so."""
+    chosen = select_turns(turns, train, f"trajectory of {participant!r}")
+    mask = [0] * len(token_ids)
+    for t in chosen:
+        mask[t.start : t.end] = t.mask
+    complete = all(logprobs_fit(t.logprobs, t.mask) for t in chosen)
+    logprobs = [x for t in chosen for x in t.logprobs or []] if complete else None
+    spans = [
+        TurnSpan(
+            start=t.start, end=t.end, speaker=participant, trained=1 in t.mask, finish_reason=t.finish_reason
+        )
+        for t in chosen
+    ]
+    return Trajectory(
+        token_ids=list(token_ids),
+        loss_mask=mask,
+        rollout_logprobs=logprobs,
+        turns=spans,
+        participant=participant,
+        group=group,
+        status=status,
+        infos={**infos, "logprobs_complete": complete},
+    )

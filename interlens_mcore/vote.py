@@ -47,10 +47,14 @@ class Ballot:
 
 
 def describe(exc: BaseException) -> str:
-    """Short, picklable description of an exception, with its innermost frame."""
+    """Short, picklable description of an exception, with its notes and innermost frame.
+
+    The notes carry what a runner added on the way up (the conversation or hook it came from).
+    """
     frames = traceback.extract_tb(exc.__traceback__)
     where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
-    return f"{type(exc).__name__}: {exc}{where}"
+    notes = "".join(f" [{n}]" for n in getattr(exc, "__notes__", ()))
+    return f"{type(exc).__name__}: {exc}{notes}{where}"
 
 
 def cast_vote(

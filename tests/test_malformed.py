@@ -425,10 +425,11 @@ def test_arbitrary_well_formed_steps_keep_the_trajectory_aligned(chat, data, n, 
         kept = [t for ids, mask, _ in pieces for t, m in zip(ids, mask) if m]
         assert [t for t, m in zip(traj.token_ids, traj.loss_mask) if m] == kept
         assert traj.num_trained_tokens == len(kept)
-        # logprobs: exactly the ones given, in token order, or none at all (and counted)
-        fits = all(lp is not None and len(lp) == sum(mask) for _, mask, lp in pieces)
+        # logprobs: exactly the ones given, in token order, or none at all (and counted); a
+        # piece with no trained token owes none (None fits it)
+        fits = all(len(lp or []) == sum(mask) and (lp is not None or not any(mask)) for _, mask, lp in pieces)
         if fits:
-            assert traj.rollout_logprobs == [x for _, _, lp in pieces for x in lp]
+            assert traj.rollout_logprobs == [x for _, _, lp in pieces for x in lp or []]
             assert traj.infos["logprobs_complete"] is True
         else:
             assert traj.rollout_logprobs is None and traj.infos["logprobs_complete"] is False

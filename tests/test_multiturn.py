@@ -378,3 +378,176 @@ def test_real_model_trajectory_is_what_the_engine_saw(tiny, chat):
     twin = run([MultiTurnRequest.from_messages(chat, requests[1].messages, index=5)])[0].to_trajectory()
     assert twin.token_ids[: len(requests[1].prompt_ids)] == requests[1].prompt_ids
     assert twin.token_ids != alone.token_ids
+
+
+# -- the native API the ms-swift layer builds on ---------------------------------------------------
+class Empty(FakeRollout):
+    """Turn 2 of every request is an empty reply, and its engine gives no logprobs for it."""
+
+    def answer(self, r):
+        if r.turn == 2:
+            return ResponseChoice(text="", token_ids=[], logprobs=None, finish_reason="stop")
+        return super().answer(r)
+
+
+def test_an_empty_reply_without_logprobs_keeps_is_correction_on(chat):
+    requests = make_requests(chat, 1)
+    rollout = Empty(chat)
+    first = [rollout.answer(r) for r in requests]
+    out = run_multi_turn(requests, first, KeepGoing(chat, tool), rollout, CFG, max_turns=3)[0]
+    traj = out.to_trajectory()
+    assert out.rollout_logprobs[1] is None and sum(out.response_loss_mask[1]) == 0
+    # one logprob per trained token: the empty turn trains nothing and owes none (main: IS off)
+    assert traj.infos["logprobs_complete"] and traj.rollout_logprobs == LOGPROBS * 2
+
+
+def test_an_assistant_prefill_is_continued_not_closed(chat):
+    messages = [{"role": "user", "content": "add 2 and 3"}, {"role": "assistant", "content": "The sum is"}]
+    req = MultiTurnRequest.from_messages(chat, messages, index=0)
+    opener = chat.generation_prompt_ids()
+    assert req.prompt_ids == chat.message_ids("user", "add 2 and 3") + opener + chat.encode("The sum is")
+    rollout = FakeRollout(chat)
+    out = run_multi_turn([req], [rollout.answer(req)], ToolScheduler(chat, tool), rollout, CFG, max_turns=1)[
+        0
+    ]
+    # messages and tokens agree: one assistant message, opened once, holding prefill + reply
+    assert [m["role"] for m in out.request.messages] == ["user", "assistant"]
+    assert out.request.messages[1]["content"] == "The sum isr0t1"
+    traj = out.to_trajectory()
+    text = chat.tokenizer.decode(traj.token_ids)
+    assert text.count("<|im_start|>assistant") == 1 and "The sum is" in text
+
+
+class Cut(ToolScheduler):
+    """Continues turn 1 with its reply cut to the first token, the second masked out."""
+
+    def check_finished(self, request, response_choice, current_turn):
+        return current_turn >= 2
+
+    def step(self, request, response_choice, current_turn):
+        ids = response_choice.token_ids[:2]
+        nxt = self.continue_turn(
+            request, response_choice, " so", response_token_ids=ids, response_loss_mask=[1, 0]
+        )
+        return {"infer_request": nxt, "rollout_logprobs": response_choice.logprobs[:1]}
+
+
+def test_continue_turn_takes_the_turns_ids_and_mask(chat):
+    requests = make_requests(chat, 1)
+    rollout = FakeRollout(chat)
+    out = run_multi_turn(requests, [rollout.answer(requests[0])], Cut(chat, tool), rollout, CFG)[0]
+    so = chat.encode(" so")
+    eos = chat.stop_token_ids[0]
+    assert out.response_token_ids == [[31, 40] + so + [32, 40, eos]]
+    assert out.response_loss_mask == [[1, 0] + [0] * len(so) + [1, 1, 1]]
+    assert out.to_trajectory().rollout_logprobs == LOGPROBS[:1] + LOGPROBS
+    with pytest.raises(
+        ValueError, match="request 0: response_loss_mask has 1 entries but response_token_ids has 2"
+    ):
+        Cut(chat, tool).continue_turn(
+            requests[0], rollout.answer(requests[0]), response_token_ids=[1, 2], response_loss_mask=[1]
+        )
+
+
+class Observing(ToolScheduler):
+    """An async before_first_turn that puts an environment's first observation into the prompt."""
+
+    async def before_first_turn(self, requests):
+        await asyncio.sleep(0)
+        return [
+            MultiTurnRequest.from_messages(
+                self.chat, r.messages + [{"role": "user", "content": f"observation {r.index}"}], index=r.index
+            )
+            for r in requests
+        ]
+
+
+def test_before_first_turn_rewrites_the_requests_before_turn_one(chat):
+    from interlens_mcore.multiturn import prepare_requests, prepare_requests_async
+
+    scheduler = Observing(chat, tool)
+    requests = prepare_requests(scheduler, make_requests(chat, 2))
+    assert [r.messages[-1]["content"] for r in requests] == ["observation 0", "observation 1"]
+    rollout = FakeRollout(chat)
+    outs = run_multi_turn(
+        requests, [rollout.answer(r) for r in requests], scheduler, rollout, CFG, max_turns=1
+    )
+    assert "observation 1" in chat.tokenizer.decode(outs[1].to_trajectory().token_ids)
+    # the default hook returns the requests as they are
+    plain = make_requests(chat, 1)
+    assert prepare_requests(ToolScheduler(chat, tool), plain) == plain
+
+    class Dropping(ToolScheduler):
+        def before_first_turn(self, requests):
+            return requests[1:]
+
+    with pytest.raises(
+        ValueError, match=r"Dropping.before_first_turn returned requests \[1\]; expected one per"
+    ):
+        prepare_requests(Dropping(chat, tool), make_requests(chat, 2))
+
+    async def inside_a_loop():
+        with pytest.raises(RuntimeError, match="use `await prepare_requests_async"):
+            prepare_requests(scheduler, plain)
+        return await prepare_requests_async(scheduler, plain)
+
+    assert asyncio.run(inside_a_loop())[0].messages[-1]["content"] == "observation 0"
+
+
+@pytest.mark.parametrize(
+    "train, trained_turns", [("all", [1, 2, 3]), ("last", [3]), ([True, False, True], [1, 3])]
+)
+def test_train_turns_choose_the_trained_rounds(chat, train, trained_turns):
+    requests = make_requests(chat, 1)
+    rollout = FakeRollout(chat)
+    first = [rollout.answer(r) for r in requests]
+    out = run_multi_turn(
+        requests, first, ToolScheduler(chat, tool), rollout, CFG, max_turns=3, train_turns=train
+    )[0]
+    traj = out.to_trajectory()
+    eos = chat.stop_token_ids[0]
+    assert [t for t, m in zip(traj.token_ids, traj.loss_mask) if m] == [
+        x for t in trained_turns for x in (30 + t, 40, eos)
+    ]
+    assert traj.rollout_logprobs == LOGPROBS * len(trained_turns) and len(traj.turns) == len(trained_turns)
+    assert out.to_trajectory(train_turns="all").num_trained_tokens == 9  # chosen per call, too
+    with pytest.raises(ValueError, match="train_turns has 2 entries for 3 turns"):
+        out.to_trajectory(train_turns=[True, False])
+
+
+def test_run_multi_turn_async_inside_an_event_loop(chat):
+    from interlens_mcore.multiturn import run_multi_turn_async
+
+    requests = make_requests(chat, 2)
+    rollout = FakeRollout(chat)
+    first = [rollout.answer(r) for r in requests]
+
+    async def main():
+        outs = await run_multi_turn_async(
+            requests, first, ToolScheduler(chat, tool), rollout, CFG, max_turns=2
+        )
+        with pytest.raises(RuntimeError, match="use `await run_multi_turn_async"):
+            run_multi_turn(requests, first, ToolScheduler(chat, tool), rollout, CFG, max_turns=2)
+        return outs
+
+    assert [o.num_turns for o in asyncio.run(main())] == [2, 2]
+
+
+def test_a_request_that_outgrows_the_context_ends_alone(tiny, chat):
+    model, tokenizer = tiny
+    rollout = EngineRollout(HFEngine(model, tokenizer, name="small", max_context=48), chat, seed=1)
+    requests = make_requests(chat, 2)
+    requests.append(
+        MultiTurnRequest.from_messages(chat, [{"role": "user", "content": "word " * 60}], index=2)
+    )
+    first = rollout(requests, CFG)  # on main the engine raised for the whole batch here
+    outs = run_multi_turn(requests, first, KeepGoing(chat, tool), rollout, CFG, max_turns=8)
+    for out in outs[:2]:  # they grow by a tool message and 6 sampled tokens a turn
+        traj = out.to_trajectory()
+        assert out.status is Status.TRUNCATED and 1 < out.num_turns < 8
+        # every sampled token was sampled inside the context; what follows is context (mask 0)
+        assert max(t.end for t in traj.turns if t.end > t.start) <= 48 and traj.logprobs_complete
+        assert traj.num_trained_tokens == sum(map(sum, out.response_loss_mask)) > 6
+    too_long = outs[2]  # no room for a single token: ends at once, nothing sampled
+    assert too_long.status is Status.TRUNCATED and too_long.num_turns == 1
+    assert too_long.response_token_ids == [[]] and too_long.to_trajectory().num_trained_tokens == 0

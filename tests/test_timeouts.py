@@ -166,7 +166,7 @@ def test_own_limit_wins_and_no_limit_runs_inline(tok):
     lenient.timeout_s = 10.0
     (c,) = make(tok, {0: lenient})
     co_step([c], turns=4, step_timeout_s=LIMIT)
-    assert c.status is Status.MAX_TURNS and c.turns_taken == 4
+    assert c.status is Status.RUNNING and c.turns_taken == 4  # a chunk of 4 turns: it may go on
     assert all(t.daemon and t is not threading.main_thread() for t in lenient.threads)
     # without any limit a sync respond runs inline, as it always did
     plain = SyncEnv()
