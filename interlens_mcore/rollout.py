@@ -26,7 +26,7 @@ from .conversation import Conversation, Environment, Policy
 from .costep import co_step
 from .engine import Engine, SamplingParams
 from .limits import check_time_limit
-from .multiturn import EngineRollout, MultiTurnRequest, MultiTurnScheduler, run_multi_turn
+from .multiturn import EngineRollout, MultiTurnRequest, MultiTurnScheduler, prepare_requests, run_multi_turn
 from .sampling import mix_seed
 from .stop import MaxTurns
 from .trajectory import Status, Trajectory
@@ -102,6 +102,11 @@ class Rollout:
     def timeouts(self) -> int:
         """Samples whose conversation a step time limit ended (scored or dropped per config)."""
         return sum(t.status is Status.TIMEOUT for t in self.trajectories)
+
+    @property
+    def truncated(self) -> int:
+        """Samples whose conversation outgrew the engine's context (earlier turns kept)."""
+        return sum(t.status is Status.TRUNCATED for t in self.trajectories)
 
     def seat_rewards(self) -> dict[str, list[float]]:
         """Rewards per trained seat (participant name), in trajectory order."""
@@ -247,6 +252,7 @@ class Rollouter:
                 )
                 req_rows.append(row)
         rollout_fn = EngineRollout(self.engine, chat, seed=mix_seed(cfg.seed, step))
+        requests = prepare_requests(scheduler, requests)  # the scheduler's before_first_turn
         first = rollout_fn(requests, cfg.sampling)  # collective: every rank has rows every step
         outputs = run_multi_turn(
             requests,

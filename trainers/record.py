@@ -39,6 +39,7 @@ def rollout_figures(rollout: Rollout, components: dict[str, list[float]], group:
         "success": [t.infos["success"] for t in trajectories if t.infos.get("success") is not None],
         "turns": [t.infos.get("turns", 0) for t in trajectories],
         "timeouts": rollout.timeouts,
+        "truncated": rollout.truncated,
     }
     parts = parallel.all_gather_object(mine, group=group)
     rewards = torch.tensor([r for p in parts for r in p["reward"]])
@@ -63,6 +64,7 @@ def rollout_figures(rollout: Rollout, components: dict[str, list[float]], group:
     turns = [n for p in parts for n in p["turns"]]
     out["turns_mean"] = _mean(turns) or 0.0
     out["timeouts"] = sum(p["timeouts"] for p in parts)  # samples a step time limit ended
+    out["truncated"] = sum(p["truncated"] for p in parts)  # samples that outgrew the context
     return out
 
 
