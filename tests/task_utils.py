@@ -11,6 +11,8 @@ from interlens_mcore.stop import MaxTurns
 def play(rows, engine, tok, *, max_new_tokens=8, seed=0, step_timeout_s=None):
     """Conversations of `rows` played with `engine` in every policy seat (greedy-free sampling)."""
     seats: dict[str, Policy] = {}
+    if isinstance(engine, ScriptEngine):  # its scripted replies must fit the turn's token cap
+        max_new_tokens = max(max_new_tokens, 512)
 
     def seat(name: str) -> Policy:
         if name not in seats:
@@ -28,7 +30,7 @@ def play(rows, engine, tok, *, max_new_tokens=8, seed=0, step_timeout_s=None):
 class ScriptEngine:
     """Answers each conversation's turns with scripted texts (tokenized), in order."""
 
-    name, max_context = "script", 4096
+    name, max_context = "script", 1 << 15  # the tiny tokenizer spells a tools preamble out in ~4k tokens
 
     def __init__(self, tok, replies: dict[str, list[str]]):
         self.tok, self.replies, self.calls = tok, {k: list(v) for k, v in replies.items()}, 0
