@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .chat import ChatFormat
-from .engine import Engine, GenerationRequest, SamplingParams
+from .engine import Engine, SamplingParams
 from .sampling import mix_seed
 from .trajectory import Status, Trajectory, TurnSpan, complete_or_none
 
@@ -245,10 +245,8 @@ class EngineRollout:
 
     def __call__(self, requests: Sequence[MultiTurnRequest], config: SamplingParams) -> list[ResponseChoice]:
         rows = [
-            GenerationRequest(
-                prompt_ids=r.prompt_ids,
-                max_new_tokens=config.max_new_tokens,
-                temperature=config.temperature,
+            config.request(
+                r.prompt_ids,
                 seed=mix_seed(self.seed, r.index, r.turn),
                 stop_token_ids=self.chat.stop_token_ids,
                 tag=f"request {r.index}",
