@@ -176,14 +176,45 @@ def sample(
     no_claim = torch.full_like(local_idx, torch.iinfo(torch.int64).max)
     tokens = shard.reduce(torch.where(local_best == best, local_idx + shard.start, no_claim), "min")
 
-    width = logits.shape[-1]
+    return tokens, _logprobs(scaled, row_max, keep, tokens, shard)
+
+
+def processed_logprobs(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    temperatures: torch.Tensor,
+    filters: Filters | None = None,
+    shard: VocabShard = FULL_VOCAB,
+) -> torch.Tensor:
+    """Logprob [B] of given `tokens` [B] under the distribution `sample` draws from (rescoring).
+
+    -inf where a filter removed the token. logits: [B, V_local], already penalised.
+    """
+    greedy = temperatures <= 0
+    scaled = _scaled(logits, temperatures)
+    row_max = shard.reduce(scaled.max(dim=-1).values, "max")
+    keep = _kept(scaled, row_max, greedy, filters, shard) if filters and filters.active else None
+    return _logprobs(scaled, row_max, keep, tokens, shard)
+
+
+def _logprobs(
+    scaled: torch.Tensor,
+    row_max: torch.Tensor,
+    keep: torch.Tensor | None,
+    tokens: torch.Tensor,
+    shard: VocabShard,
+) -> torch.Tensor:
+    """log softmax over the kept tokens, at `tokens` [B]; a vocab-parallel log-sum-exp."""
+    width = scaled.shape[-1]
     weights = (scaled - row_max[:, None]).exp()  # [B, V_local]
+    owned = (tokens >= shard.start) & (tokens < shard.start + width)
+    local = (tokens - shard.start).clamp(0, width - 1)[:, None]
+    picked = scaled.gather(-1, local).squeeze(-1)
     if keep is not None:
         weights = torch.where(keep, weights, 0.0)
-    owned = (tokens >= shard.start) & (tokens < shard.start + width)
-    picked = scaled.gather(-1, (tokens - shard.start).clamp(0, width - 1)[:, None]).squeeze(-1)
+        picked = torch.where(keep.gather(-1, local).squeeze(-1), picked, float("-inf"))
     sums = shard.reduce(torch.stack([weights.sum(-1), torch.where(owned, picked, 0.0)]), "sum")  # [2, B]
-    return tokens, sums[1] - row_max - sums[0].log()
+    return sums[1] - row_max - sums[0].log()
 
 
 def sample_full_vocab(
