@@ -113,10 +113,12 @@ class VLLMEngine:
         config = config or VLLMConfig()
         # update_weights hands the worker an iterator of tensors: the engine core must be here
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        if config.colocated and config.tensor_parallel_size > 1 and parallel.world_size() == 1:
+        tp = config.tensor_parallel_size
+        if config.colocated and tp > 1 and (group is None or parallel.world_size(group) != tp):
+            size = None if group is None else parallel.world_size(group)
             raise ValueError(
-                f"VLLMConfig.tensor_parallel_size={config.tensor_parallel_size} colocated needs the "
-                "torchrun world (torch.distributed initialised with that many ranks or more)"
+                f"VLLMConfig.tensor_parallel_size={tp} colocated needs group= the {tp} ranks of this "
+                f"vLLM's TP group (they must run the same rows), got a group of {size} ranks"
             )
         return cls(LLM(model=str(model), **config.llm_kwargs()), name=name, group=group)
 
