@@ -3,7 +3,8 @@
 A colocated engine (vLLM) loads checkpoint-format tensors: HF names, full (unsharded) shapes.
 Each source below yields `(name, tensor)` pairs in that format, straight from memory:
 
-- `hf_tensors(model)`: an HF model held whole on this rank (plain torch, DDP, ZeRO-1/2).
+- `hf_tensors(model)`: an HF model held whole on this rank (plain torch, ZeRO-1/2; pass the
+  bare module, e.g. `ddp.module`, so names carry no wrapper prefix).
 - `megatron_hf_tensors(model, layout)`: a megatron-core GPTModel; TP shards are gathered over
   the TP group and fused QKV / gate-up are split back (`megatron.convert`), so it is collective:
   every rank of the TP group consumes the whole stream.
