@@ -74,7 +74,7 @@ def timed_build(trajs, adv, repeats: int, **kwargs) -> tuple[TrainingBatch, floa
 
 def forward_backward(model, batch: TrainingBatch) -> tuple[float, dict[str, float]]:
     """One forward + backward over the packed row, one sample (a cu_seqlens chunk) at a time."""
-    config = LossConfig(is_mode="turn_truncate", epsilon_high=0.28)
+    config = LossConfig(is_mode="turn_truncate", epsilon_high=0.28, beta=0.0)  # no reference model here
     model.zero_grad()
     metrics = None
     bounds = batch.cu_seqlens.tolist()

@@ -50,9 +50,10 @@ def vocab_parallel_token_logprobs(
     """Logprobs of `targets` from this rank's vocabulary shard, without gathering the vocabulary.
 
     logits [..., V_shard] hold the columns [vocab_start, vocab_start + V_shard) of the full
-    vocabulary; targets [...] are full-vocabulary ids, identical on every rank of `group` (the
-    TP group). Three small all-reduces over [...] replace the [..., V] gather: the max (for a
-    stable exp), the sum of exps, and the target's logit (owned by exactly one rank). Returns
+    vocabulary; targets [...] are full-vocabulary ids in [0, V), identical on every rank of
+    `group` (the TP group), V being the sum of the shard widths (one scalar all-reduce). Three
+    small all-reduces over [...] replace the [..., V] gather: the max (for a stable exp), the
+    sum of exps, and the target's logit (owned by exactly one rank). Returns
     float32 [...], the same on every rank, equal to megatron's
     `-vocab_parallel_cross_entropy(logits / temperature, targets)`. Gradients reach only the
     local shard, with megatron's convention that the loss downstream is replicated over the
@@ -63,6 +64,15 @@ def vocab_parallel_token_logprobs(
         raise ValueError(f"vocab_start must be >= 0, got {vocab_start}")
     x = logits.float() / temperature  # [..., V_shard]
     shard = x.shape[-1]
+    # The full vocabulary is the union of the shards. Every rank holds the same targets and
+    # gets the same size back, so every rank raises together and no collective is left waiting.
+    width = torch.tensor([shard], dtype=torch.int64, device=x.device)
+    vocab = int(parallel.all_reduce(width, "sum", group).item())
+    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab):
+        raise ValueError(
+            f"targets must lie in [0, {vocab}) (the vocabulary of the {shard}-column shards), "
+            f"got ids in [{int(targets.min())}, {int(targets.max())}]"
+        )
     # The max is only a shift for a stable exp; logsumexp does not depend on it, so no gradient.
     shift = x.detach().amax(dim=-1)  # [...]
     parallel.all_reduce(shift, "max", group)

@@ -3,140 +3,38 @@
 Every [B, T] tensor is on target positions (see `batch.py`). The loss returned by one call is
 already divided by the *global* denominators the caller passes (`num_tokens`, `num_sequences`,
 counted over every micro-batch and rank whose gradients are summed), so summing the calls'
-losses gives the batch loss. Metrics are raw sums (maxima for keys ending in `/max`) to be
-reduced once across micro-batches and ranks; `finalize_metrics` turns them into means.
+losses gives the batch loss. Metrics are raw sums (maxima for keys ending in `/max`, minima for
+`/min`) to be reduced once across micro-batches and ranks; `finalize_metrics` turns them into
+the logged figures.
+
+This file composes the pieces beside it: the options (`loss_config.py`), the surrogates and
+their registry (`policy_loss.py`), IS weights and rejection (`is_weights.py`), the KL
+estimators (`kl.py`), the aggregation modes (`aggregation.py`), the off-policy diagnostics
+(`diagnostics.py`), and the mask of kept tokens that the denominators count (`loss_mask.py`,
+whose docstring shows the order a trainer calls things in).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
+from interlens_mcore import diagnostics
+from interlens_mcore.aggregation import aggregate, unit_sums
 from interlens_mcore.batch import TrainingBatch
-
-KL_ESTIMATORS = ("k1", "k2", "k3")
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-IS_MODES = (
-    None,
-    "token_truncate",
-    "token_mask",
-    "sequence_truncate",
-    "sequence_mask",
-    "turn_truncate",
-    "turn_mask",
+from interlens_mcore.kl import kl_penalty
+from interlens_mcore.loss_config import LossConfig
+from interlens_mcore.loss_mask import (
+    clamped_log_ratio,
+    rejected_tokens,
+    rollout_weights,
+    token_complete,
+    token_finite,
 )
-
-
-@dataclass(frozen=True, kw_only=True)
-class LossConfig:
-    """Knobs of `grpo_loss`."""
-
-    epsilon: float = 0.2  # ratio clipped to [1 - epsilon, 1 + epsilon_high]
-    epsilon_high: float | None = None  # clip-higher (DAPO); None means epsilon
-    dual_clip: float | None = None  # for A < 0, cap the loss at -A * dual_clip (> 1)
-    beta: float = 0.0  # coefficient of KL(train || reference); needs ref_logprobs when > 0
-    kl_estimator: str = "k3"  # 'k1' | 'k2' | 'k3' (k3: low-variance, always >= 0)
-    aggregation: str = "token-mean"  # 'token-mean' | 'seq-mean-token-mean' | 'seq-mean-token-sum'
-    is_mode: str | None = None  # rollout IS correction, see IS_MODES; None: diagnostics only
-    is_threshold: float = 2.0  # truncate IS weights at it, or mask those above it
-    bypass: bool = False  # use rollout logprobs as the old policy (the PPO ratio is then the IS ratio)
-    log_ratio_clamp: float = 20.0  # |log ratio| cap before exp: e^20 is large but finite in fp32
-
-    def __post_init__(self) -> None:
-        if not 0 < self.epsilon < 1:
-            raise ValueError(f"LossConfig.epsilon must be in (0, 1), got {self.epsilon!r}")
-        if self.epsilon_high is not None and not self.epsilon_high > 0:
-            raise ValueError(f"LossConfig.epsilon_high must be > 0 or None, got {self.epsilon_high!r}")
-        if self.dual_clip is not None and not self.dual_clip > 1:
-            raise ValueError(f"LossConfig.dual_clip must be > 1 or None, got {self.dual_clip!r}")
-        if not self.beta >= 0:
-            raise ValueError(f"LossConfig.beta must be >= 0, got {self.beta!r}")
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(
-                f"LossConfig.kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}"
-            )
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(
-                f"LossConfig.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}"
-            )
-        if self.is_mode not in IS_MODES:
-            raise ValueError(f"LossConfig.is_mode must be one of {IS_MODES}, got {self.is_mode!r}")
-        if not self.is_threshold > 0:
-            raise ValueError(f"LossConfig.is_threshold must be > 0, got {self.is_threshold!r}")
-        if self.bypass and self.is_mode is not None:
-            raise ValueError(
-                "LossConfig.is_mode must be None when bypass=True: the rollout policy is then the "
-                "old policy, so the clipped PPO ratio already is the IS correction"
-            )
-        if not self.log_ratio_clamp > 0:
-            raise ValueError(f"LossConfig.log_ratio_clamp must be > 0, got {self.log_ratio_clamp!r}")
-
-
-def importance_weights(
-    log_ratio: torch.Tensor,
-    corrected: torch.Tensor,
-    *,
-    mode: str,
-    threshold: float,
-    group_ids: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """IS weights pi_train / pi_rollout, and which tokens were truncated or masked.
-
-    log_ratio [B, T]: log pi_train - log pi_rollout, clamped by the caller, 0 where not
-    `corrected` [B, T] bool. For sequence and turn modes, `group_ids` [B, T] (sample ids, or
-    segment ids) name the unit whose weight is exp(mean log-ratio over its corrected tokens),
-    the geometric mean of the token ratios, shared by all its tokens.
-    Truncate: min(w, threshold). Mask: 0 where w > threshold (the unit is dropped).
-    Returns weights [B, T] float32 (1.0 where not corrected), truncated [B, T], masked [B, T].
-    """
-    if mode not in IS_MODES[1:]:
-        raise ValueError(f"mode must be one of {IS_MODES[1:]}, got {mode!r}")
-    lr = log_ratio.detach().float()
-    if not mode.startswith("token"):
-        if group_ids is None or group_ids.shape != lr.shape:
-            raise ValueError(f"group_ids must be [B, T] like log_ratio for mode {mode!r}")
-        if bool((group_ids[corrected] < 0).any()):
-            raise ValueError(f"group_ids must be >= 0 on every corrected token for mode {mode!r}")
-        units, inverse = torch.unique(group_ids[corrected], return_inverse=True)
-        sums = lr.new_zeros(units.numel()).index_add_(0, inverse, lr[corrected])
-        counts = lr.new_zeros(units.numel()).index_add_(0, inverse, lr.new_ones(inverse.numel()))
-        lr = torch.zeros_like(lr).masked_scatter_(corrected, (sums / counts)[inverse])
-    w = torch.exp(lr)
-    over = corrected & (w > threshold)
-    if mode.endswith("truncate"):
-        weights, truncated, masked = w.clamp(max=threshold), over, torch.zeros_like(over)
-    else:
-        weights, truncated, masked = torch.where(over, torch.zeros_like(w), w), torch.zeros_like(over), over
-    return torch.where(corrected, weights, torch.ones_like(weights)), truncated, masked
-
-
-def kl_penalty(
-    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str, clamp: float
-) -> torch.Tensor:
-    """Per-token estimate of KL(train || reference) from samples of the train policy."""
-    d = (ref_logprobs - logprobs).clamp(-clamp, clamp)  # log(pi_ref / pi)
-    if estimator == "k1":
-        return -d
-    if estimator == "k2":
-        return 0.5 * d * d
-    if estimator == "k3":
-        return torch.exp(d) - d - 1
-    raise ValueError(f"estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
-
-
-def _aggregate(per_token, mask, sample_ids, num_samples, aggregation, num_tokens, num_sequences):
-    """Sum of `per_token` (0 off `mask`) under `aggregation`, with the global denominators."""
-    if aggregation == "token-mean":
-        return per_token.sum() / num_tokens
-    if aggregation == "seq-mean-token-sum":
-        return per_token.sum() / num_sequences
-    # seq-mean-token-mean: each sample's mean over its own loss tokens (all in this call).
-    bucket = torch.where(sample_ids >= 0, sample_ids, num_samples).flatten()  # padding -> spare slot
-    sums = per_token.new_zeros(num_samples + 1).index_add_(0, bucket, per_token.flatten())
-    counts = per_token.new_zeros(num_samples + 1).index_add_(0, bucket, mask.flatten().to(per_token.dtype))
-    return (sums / counts.clamp(min=1))[:num_samples].sum() / num_sequences
+from interlens_mcore.policy_loss import POLICY_LOSSES, PolicyInputs
 
 
 def _check(logprobs, named: Mapping[str, torch.Tensor | None], logprobs_complete, num_tokens, num_sequences):
@@ -158,6 +56,27 @@ def _check(logprobs, named: Mapping[str, torch.Tensor | None], logprobs_complete
         raise ValueError(f"num_sequences must be > 0 (global count of samples), got {num_sequences!r}")
 
 
+def _check_options(
+    config: LossConfig, ref_logprobs, segment_ids, token_mask, loss_mask, is_weight_mean
+) -> None:
+    if config.beta > 0 and ref_logprobs is None:
+        raise ValueError(f"ref_logprobs are required when LossConfig.beta > 0 (beta={config.beta})")
+    if config.is_mode.startswith("turn") and segment_ids is None:
+        raise ValueError(f"segment_ids are required for is_mode {config.is_mode!r}")
+    if token_mask is not None:
+        if token_mask.dtype != torch.bool:
+            raise ValueError(
+                f"token_mask must be a bool tensor (from loss_token_mask), got {token_mask.dtype}"
+            )
+        if bool((token_mask & ~loss_mask.bool()).any()):
+            raise ValueError("token_mask must lie within loss_mask (from loss_token_mask of the same batch)")
+    if config.is_batch_normalize and (is_weight_mean is None or not float(is_weight_mean) > 0):
+        raise ValueError(
+            "is_weight_mean (the batch's mean IS weight, from is_weight_sums) must be > 0 when "
+            f"LossConfig.is_batch_normalize is True, got {is_weight_mean!r}"
+        )
+
+
 def grpo_loss(
     logprobs: torch.Tensor,
     *,
@@ -172,8 +91,10 @@ def grpo_loss(
     ref_logprobs: torch.Tensor | None = None,
     num_tokens: int | float | torch.Tensor,
     num_sequences: int | float | torch.Tensor,
+    token_mask: torch.Tensor | None = None,
+    is_weight_mean: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped GRPO loss of one micro-batch and its metric sums.
+    """GRPO loss of one micro-batch and its metric sums.
 
     logprobs [B, T]: train-policy logprobs of the targets (differentiable). The other [B, T]
     tensors come from `TrainingBatch`; logprobs_complete [N] is indexed by `sample_ids`.
@@ -182,7 +103,12 @@ def grpo_loss(
     is per sample and never depends on other samples of the call. Any loss token with a
     non-finite logprob (train, old, reference, or rollout of a complete sample) is dropped
     from the loss through `torch.where` (NaN * 0 is NaN) and counted in `nonfinite_masked`.
-    Sequence and turn IS modes and 'seq-mean-token-mean' need each sample entirely in this call.
+    token_mask [B, T] (from `loss_token_mask`, whose tokens the denominators counted) fixes
+    which tokens the rejection rules removed; without it they are decided here, and the
+    caller's denominators still count the removed tokens. is_weight_mean: the batch's mean IS
+    weight (`is_weight_sums`), required by `is_batch_normalize`.
+    Sequence and turn modes, GSPO, 'seq-mean-token-mean' and the per-sample diagnostics need
+    each sample entirely in this call.
     """
     named = {
         "loss_mask": loss_mask,
@@ -192,98 +118,128 @@ def grpo_loss(
         "segment_ids": segment_ids,
         "old_logprobs": old_logprobs,
         "ref_logprobs": ref_logprobs,
+        "token_mask": token_mask,
     }
     _check(logprobs, named, logprobs_complete, num_tokens, num_sequences)
-    if config.beta > 0 and ref_logprobs is None:
-        raise ValueError(f"ref_logprobs are required when LossConfig.beta > 0 (beta={config.beta})")
-    if config.is_mode is not None and config.is_mode.startswith("turn") and segment_ids is None:
-        raise ValueError(f"segment_ids are required for is_mode {config.is_mode!r}")
+    _check_options(config, ref_logprobs, segment_ids, token_mask, loss_mask, is_weight_mean)
 
     c = config.log_ratio_clamp
     n = logprobs_complete.numel()
-    mask = loss_mask.bool()
-    complete = torch.where(sample_ids >= 0, logprobs_complete[sample_ids.clamp(min=0)], False)  # [B, T]
-    finite = torch.isfinite(logprobs) & (torch.isfinite(rollout_logprobs) | ~complete)
-    for extra in (old_logprobs, ref_logprobs):
-        if extra is not None:
-            finite &= torch.isfinite(extra)
-    valid = mask & finite
-    compared = valid & complete  # tokens whose train and rollout logprobs are both known
+    train_raw = old_logprobs if old_logprobs is not None else logprobs.detach()
+    t = _kept_tokens(
+        logprobs, train_raw, loss_mask, advantages, rollout_logprobs, logprobs_complete, sample_ids,
+        config, old_logprobs, ref_logprobs, token_mask,
+    )  # fmt: skip
 
-    def clean(t: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
-        return torch.where(where, t.float(), 0.0)
+    def clean(x: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+        return torch.where(where, x.float(), 0.0)
 
-    lp = clean(logprobs, valid)  # [B, T]; gradient flows only through valid tokens
-    train = clean(old_logprobs, valid) if old_logprobs is not None else lp.detach()
-    rollout = clean(rollout_logprobs, compared)
-    diff = torch.where(compared, train - rollout, 0.0)  # [B, T] log pi_train - log pi_rollout
-    diff_c = diff.clamp(-c, c)
+    lp = clean(logprobs, t.valid)  # [B, T]; gradient flows only through valid tokens
+    train = clean(train_raw, t.valid).detach()
+    rollout = clean(rollout_logprobs, t.compared)
 
-    correcting = config.bypass or config.is_mode is not None
-    corrected = compared if correcting else torch.zeros_like(compared)
-    ones = torch.ones_like(lp)
-    truncated = masked = torch.zeros_like(mask)
-    weights = ones
-    old = torch.where(compared, rollout, train) if config.bypass else train
-    if config.is_mode is not None:
-        groups = sample_ids if config.is_mode.startswith("sequence") else segment_ids
-        weights, truncated, masked = importance_weights(
-            diff_c, compared, mode=config.is_mode, threshold=config.is_threshold, group_ids=groups
-        )
+    weights = torch.ones_like(lp)
+    truncated = masked = torch.zeros_like(t.mask)
+    if config.is_mode != "none":
+        diff = torch.where(t.compared, t.diff_c, 0.0)
+        weights, truncated, masked = rollout_weights(diff, t.compared, sample_ids, segment_ids, config)
+        if config.is_batch_normalize:
+            weights = torch.where(t.compared, weights / float(is_weight_mean), weights)
+    old = torch.where(t.compared, rollout, train) if config.bypass else train
 
-    adv = advantages.float()
-    ratio = torch.exp((lp - old).clamp(-c, c))
-    eps_high = config.epsilon if config.epsilon_high is None else config.epsilon_high
-    pg1 = -adv * ratio
-    pg2 = -adv * ratio.clamp(1 - config.epsilon, 1 + eps_high)
-    pg = torch.maximum(pg1, pg2)
-    clipped = valid & (pg2 > pg1)
-    dual = torch.zeros_like(mask)
-    if config.dual_clip is not None:
-        cap = -adv * config.dual_clip  # > 0 exactly where A < 0
-        dual = valid & (adv < 0) & (pg > cap)
-        pg = torch.where(adv < 0, torch.minimum(pg, cap), pg)
-    policy = torch.where(valid, weights * pg, 0.0)
+    adv = torch.where(t.valid, advantages.float(), 0.0)
+    inputs = PolicyInputs(
+        logprobs=lp, old_logprobs=old, advantages=adv, valid=t.valid, sample_ids=sample_ids, num_samples=n
+    )
+    terms = POLICY_LOSSES[config.policy_loss](inputs, config)
+    policy = torch.where(t.valid, weights * terms.per_token, 0.0)
 
     kl = torch.zeros_like(lp)
     if ref_logprobs is not None:
-        kl = torch.where(valid, kl_penalty(lp, clean(ref_logprobs, valid), config.kl_estimator, c), kl)
+        est = kl_penalty(lp, clean(ref_logprobs, t.valid), config.kl_estimator, c, config.kl_clamp)
+        kl = torch.where(t.valid, est, kl)
 
     def agg(per_token: torch.Tensor) -> torch.Tensor:
-        return _aggregate(per_token, mask, sample_ids, n, config.aggregation, num_tokens, num_sequences)
+        return aggregate(
+            per_token,
+            t.valid,
+            sample_ids,
+            n,
+            mode=config.aggregation,
+            num_tokens=num_tokens,
+            num_sequences=num_sequences,
+            scale_factor=config.loss_scale_factor,
+        )
 
     policy_loss = agg(policy)
-    kl_loss = agg(config.beta * kl) if config.beta > 0 else policy_loss.new_zeros(())
-    loss = policy_loss + kl_loss
+    kl_weights = weights if config.kl_is_weighted else 1.0
+    kl_loss = agg(config.beta * kl_weights * kl) if config.beta > 0 else policy_loss.new_zeros(())
 
-    bucket = torch.where(sample_ids >= 0, sample_ids, n).flatten()
-    present = mask.new_zeros(n + 1, dtype=torch.long).index_add_(0, bucket, mask.flatten().long())[:n] > 0
-    is_weight = torch.exp(diff_c) if config.bypass else weights
+    correcting = config.bypass or config.is_mode != "none"
+    corrected = t.compared if correcting else torch.zeros_like(t.compared)
+    is_weight = torch.where(t.compared, torch.exp(t.diff_c), 1.0) if config.bypass else weights
+    present = unit_sums(t.mask.float(), t.mask, sample_ids, n) > 0  # [N] samples with loss tokens here
     metrics = _metric_sums(
         {
             "loss/policy": policy_loss,
             "loss/kl": kl_loss,
-            "tokens": mask,
+            "tokens": t.mask,
+            "tokens_kept": t.valid,
             "samples": present,
             "samples_complete": present & logprobs_complete,
-            "nonfinite_masked": mask & ~finite,
-            "clip/tokens_clipped": clipped,
-            "clip/tokens_dual_clipped": dual,
+            "nonfinite_masked": t.mask & ~t.finite,
+            "clip/tokens_clipped": terms.clipped & t.valid,
+            "clip/tokens_dual_clipped": terms.dual_clipped & t.valid,
             "kl/ref_sum": kl,
+            "ppo_kl_sum": torch.where(t.valid, old - lp.detach(), 0.0),  # k1 of KL(old || train)
             "is/samples_corrected": present & logprobs_complete & correcting,
             "is/tokens_corrected": corrected,
-            "is/tokens_compared": compared,
+            "is/tokens_compared": t.measured,
             "is/tokens_truncated": truncated,
             "is/tokens_masked": masked,
+            "is/tokens_rejected": t.rejected,
             "is/weight_sum": torch.where(corrected, is_weight, 0.0),
-            "is/kl_k1_sum": -diff,  # KL(rollout || train) sampled from the rollout policy
-            "is/kl_k3_sum": torch.where(compared, torch.exp(diff_c) - 1 - diff_c, 0.0),
-            "is/abs_logprob_diff_sum": diff.abs(),
+            "is/weight_sq_sum": torch.where(corrected, is_weight * is_weight, 0.0),
         }
     )
-    metrics["ratio/max"] = torch.where(valid, ratio, 0.0).max().detach()
-    metrics["is/weight/max"] = torch.where(corrected, is_weight, 0.0).max().detach()
-    return loss, metrics
+    measured_train, measured_rollout = clean(train_raw, t.measured), clean(rollout_logprobs, t.measured)
+    metrics.update(
+        diagnostics.off_policy_sums(measured_train, measured_rollout, t.measured, sample_ids, n, c)
+    )
+    metrics["ratio/max"] = torch.where(t.valid, terms.ratio, 0.0).max()
+    metrics["is/weight/max"] = torch.where(corrected, is_weight, 0.0).max()
+    metrics["is/weight/min"] = torch.where(corrected, is_weight, math.inf).min()
+    return policy_loss + kl_loss, {k: v.detach().float() for k, v in metrics.items()}
+
+
+@dataclass(frozen=True)
+class _Tokens:
+    """[B, T] masks of one call, each a subset of the one before where it says so."""
+
+    mask: torch.Tensor  # loss tokens
+    finite: torch.Tensor  # every logprob the loss reads is finite
+    measured: torch.Tensor  # mask & finite & complete: train vs rollout is known (diagnostics)
+    diff_c: torch.Tensor  # clamped log pi_train - log pi_rollout on `measured`, else 0
+    rejected: torch.Tensor  # finite loss tokens a rejection rule removed
+    valid: torch.Tensor  # mask & finite & ~rejected: the tokens in the loss
+    compared: torch.Tensor  # valid & complete: the tokens IS correction may touch
+
+
+def _kept_tokens(
+    logprobs, train_raw, loss_mask, advantages, rollout_logprobs, logprobs_complete, sample_ids,
+    config, old_logprobs, ref_logprobs, token_mask,
+) -> _Tokens:  # fmt: skip
+    mask = loss_mask.bool()
+    complete = token_complete(logprobs_complete, sample_ids)  # [B, T]
+    finite = token_finite(logprobs, rollout_logprobs, complete, old_logprobs, ref_logprobs)
+    measured = mask & finite & complete
+    diff_c = clamped_log_ratio(train_raw, rollout_logprobs, measured, config.log_ratio_clamp)
+    if token_mask is None:
+        rejected = rejected_tokens(diff_c, measured, sample_ids, advantages, config)
+    else:  # decided before the backward pass; a token non-finite now is counted as such instead
+        rejected = mask & finite & ~token_mask
+    valid = mask & finite & ~rejected
+    return _Tokens(mask, finite, measured, diff_c, rejected, valid, valid & complete)
 
 
 def _metric_sums(values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -291,9 +247,19 @@ def _metric_sums(values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def batch_loss(
-    logprobs: torch.Tensor, batch: TrainingBatch, config: LossConfig, **kwargs
+    logprobs: torch.Tensor,
+    batch: TrainingBatch,
+    config: LossConfig,
+    *,
+    token_mask: torch.Tensor | None = None,
+    **kwargs,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """`grpo_loss` on a whole `TrainingBatch` (kwargs: old/ref logprobs, global denominators)."""
+    """`grpo_loss` on a whole `TrainingBatch`.
+
+    token_mask: `loss_token_mask` of this batch (then the denominators from `denominators`
+    exclude every dropped token). kwargs: old/ref logprobs, the global denominators,
+    is_weight_mean.
+    """
     return grpo_loss(
         logprobs,
         loss_mask=batch.loss_mask,
@@ -303,15 +269,43 @@ def batch_loss(
         sample_ids=batch.sample_ids,
         segment_ids=batch.segment_ids,
         config=config,
+        token_mask=token_mask,
         **kwargs,
     )
 
 
+def _reduction(key: str) -> str:
+    return "max" if key.endswith("/max") else "min" if key.endswith("/min") else "sum"
+
+
 def merge_metrics(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Combine two calls' metrics: sum, or max for keys ending in '/max'."""
+    """Combine two calls' metrics: sum, max for keys ending in '/max', min for '/min'."""
     if a.keys() != b.keys():
         raise ValueError(f"metrics must have the same keys, got {sorted(a.keys() ^ b.keys())} in only one")
-    return {k: torch.maximum(a[k], b[k]) if k.endswith("/max") else a[k] + b[k] for k in a}
+    ops = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
+    return {k: ops[_reduction(k)](a[k], b[k]) for k in a}
+
+
+def empty_metrics() -> dict[str, torch.Tensor]:
+    """Every metric key of `grpo_loss` at the neutral value of its reduction (0, or +inf for '/min').
+
+    For a rank that trained on nothing but joins the reductions; the key set is the same for
+    every `LossConfig`.
+    """
+    ids = torch.tensor([[0, 0]])
+    _, m = grpo_loss(
+        torch.zeros(1, 2),
+        loss_mask=torch.tensor([[False, True]]),
+        advantages=torch.zeros(1, 2),
+        rollout_logprobs=torch.zeros(1, 2),
+        logprobs_complete=torch.tensor([False]),
+        sample_ids=ids,
+        segment_ids=ids,
+        config=LossConfig(beta=0.0, is_mode="none"),
+        num_tokens=1,
+        num_sequences=1,
+    )
+    return {k: torch.tensor(math.inf if _reduction(k) == "min" else 0.0) for k in m}
 
 
 def finalize_metrics(sums: Mapping[str, torch.Tensor | float]) -> dict[str, float]:
@@ -321,24 +315,28 @@ def finalize_metrics(sums: Mapping[str, torch.Tensor | float]) -> dict[str, floa
     def frac(num: str, den: str) -> float:
         return s[num] / s[den] if s[den] > 0 else 0.0
 
+    weight_min = s["is/weight/min"]
     return {
         "loss/policy": s["loss/policy"],
         "loss/kl": s["loss/kl"],
         "tokens": s["tokens"],
+        "tokens_kept": s["tokens_kept"],
         "samples": s["samples"],
         "nonfinite_masked": s["nonfinite_masked"],
-        "clip/fraction": frac("clip/tokens_clipped", "tokens"),
-        "clip/dual_fraction": frac("clip/tokens_dual_clipped", "tokens"),
+        "clip/fraction": frac("clip/tokens_clipped", "tokens_kept"),
+        "clip/dual_fraction": frac("clip/tokens_dual_clipped", "tokens_kept"),
         "ratio/max": s["ratio/max"],
-        "kl/ref": frac("kl/ref_sum", "tokens"),
+        "ppo_kl": frac("ppo_kl_sum", "tokens_kept"),
+        "kl/ref": frac("kl/ref_sum", "tokens_kept"),
         "is/complete_fraction": frac("samples_complete", "samples"),
         "is/sample_fraction": frac("is/samples_corrected", "samples"),
         "is/token_fraction": frac("is/tokens_corrected", "tokens"),
         "is/weight_mean": frac("is/weight_sum", "is/tokens_corrected"),
         "is/weight/max": s["is/weight/max"],
+        # +inf when no rank corrected a token (the neutral value of the min): reported as 0
+        "is/weight/min": weight_min if math.isfinite(weight_min) and s["is/tokens_corrected"] > 0 else 0.0,
         "is/truncated_fraction": frac("is/tokens_truncated", "is/tokens_corrected"),
         "is/masked_fraction": frac("is/tokens_masked", "is/tokens_corrected"),
-        "is/kl_k1": frac("is/kl_k1_sum", "is/tokens_compared"),
-        "is/kl_k3": frac("is/kl_k3_sum", "is/tokens_compared"),
-        "is/abs_logprob_diff": frac("is/abs_logprob_diff_sum", "is/tokens_compared"),
+        "is/rejected_fraction": frac("is/tokens_rejected", "tokens"),
+        **diagnostics.finalize(s, frac),
     }

@@ -7,8 +7,11 @@ group has one rank or torch.distributed is not initialised.
 from __future__ import annotations
 
 import pickle
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -292,3 +295,183 @@ def destroy() -> None:
         ps.destroy_model_parallel()
     if is_initialized():
         dist.destroy_process_group()
+
+
+# --- failing together -----------------------------------------------------------------------
+
+
+class WorldFailure(RuntimeError):
+    """A rank of the world failed (or left); raised on every rank with the same message.
+
+    `failures` holds (global rank, "ExceptionType: message") of every rank that reported an
+    error; it is empty when a peer disappeared without reporting (killed, or out of memory).
+    """
+
+    def __init__(self, failures: list[tuple[int, str]], *, lost: str | None = None) -> None:
+        self.failures, self.lost = failures, lost
+        if failures:
+            rank_, cause = failures[0]
+            rest = [str(r) for r, _ in failures[1:]]
+            plural = "s" if len(rest) > 1 else ""
+            others = f" (rank{plural} {', '.join(rest)} failed too)" if rest else ""
+            message = f"rank {rank_} failed: {cause}{others}"
+        else:
+            message = f"a rank left the world before reporting ({lost})"
+        super().__init__(message)
+
+
+def world_check_group(*, timeout_s: float) -> Any:
+    """A gloo group over the whole world with its own timeout, for `check_world` (collective).
+
+    The timeout must exceed the longest gap between two ranks reaching the check (a rank that
+    failed early waits there while the others finish their rollouts).
+    """
+    if not is_initialized():
+        return None
+    return dist.new_group(list(range(world_size())), backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}".splitlines()[0][:500]
+
+
+def check_world(error: BaseException | None, group: Any = None) -> None:
+    """Fail together: every rank calls this at the same point, with its own error or None.
+
+    When any rank passes an error, every rank raises the same `WorldFailure` naming the first
+    failing rank and its cause (chained to the local error, if any). A peer that vanished
+    (SIGKILL) makes the gloo collective fail at once; that too becomes a `WorldFailure`, so the
+    last line every rank prints is a named cause, not a transport error. `group` is a gloo
+    group (`world_check_group`): never NCCL, whose watchdog would abort the process instead.
+    """
+    mine = None if error is None else _describe(error)
+    if world_size(group) > 1 and dist.get_backend(group) != "gloo":
+        raise ValueError("check_world needs a gloo group (parallel.world_check_group), not the NCCL world")
+    if world_size(group) == 1:
+        if mine is not None:
+            raise WorldFailure([(rank(), mine)]) from error
+        return
+    try:
+        reports = all_gather_small(mine, group=group)
+    except RuntimeError as exc:  # gloo's DistBackendError and friends: the peer is gone
+        raise WorldFailure([(rank(), mine)] if mine else [], lost=_describe(exc)) from error or exc
+    failures = [(r, d) for r, d in zip(_group_ranks(group), reports, strict=True) if d is not None]
+    if failures:
+        raise WorldFailure(failures) from error
+
+
+# --- sharded checkpoints (torch.distributed.checkpoint) ---------------------------------------
+
+
+@dataclass(frozen=True)
+class Block:
+    """One rank's block of a tensor that is split over a group, as a checkpoint stores it.
+
+    `local` is this rank's tensor (saved from, or loaded into, in place); `offsets[i]` and
+    `shapes[i]` place group rank i's block inside `global_shape`. Blocks need not be equal
+    (a vocabulary cut at its true size leaves the last one shorter).
+    """
+
+    local: torch.Tensor
+    global_shape: tuple[int, ...]
+    offsets: tuple[tuple[int, ...], ...]
+    shapes: tuple[tuple[int, ...], ...]
+
+
+def _sharded_tensor(block: Block, group: Any) -> Any:
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+    owners = _group_ranks(group)
+    mine = owners.index(rank())
+    if tuple(block.local.shape) != block.shapes[mine]:
+        raise ValueError(f"block shape {tuple(block.local.shape)} != declared {block.shapes[mine]}")
+    device = block.local.device.type
+    meta = [
+        ShardMetadata(list(o), list(s), f"rank:{r}/{device}")
+        for o, s, r in zip(block.offsets, block.shapes, owners, strict=True)
+    ]
+    props = TensorProperties(dtype=block.local.dtype, layout=block.local.layout, requires_grad=False)
+    st_meta = ShardedTensorMetadata(
+        shards_metadata=meta, size=torch.Size(block.global_shape), tensor_properties=props
+    )
+    local = [Shard.from_tensor_and_offsets(block.local, list(block.offsets[mine]), rank())]
+    return ShardedTensor._init_from_local_shards_and_global_metadata(local, sharded_tensor_metadata=st_meta)
+
+
+def _dcp_state(blocks: dict[str, Block], plain: dict[str, Any], group: Any) -> dict[str, Any]:
+    if not is_initialized():
+        raise ValueError("sharded checkpoints need torch.distributed (call parallel.init_distributed())")
+    return {**plain, **{k: _sharded_tensor(b, group) for k, b in blocks.items()}}
+
+
+@contextmanager
+def _quiet_sharded_tensor():
+    # torch warns that ShardedTensor is deprecated in favour of DTensor on every use; DTensor
+    # needs a device mesh of the whole TP x DP grid, while these blocks need only the TP group
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*DTensor instead.*ShardedTensor", category=FutureWarning)
+        yield
+
+
+def save_sharded(
+    folder: str | Path, blocks: dict[str, Block], plain: dict[str, Any], group: Any = None
+) -> None:
+    """Write `blocks` (split over `group`) and `plain` (the same on every rank) with
+    torch.distributed.checkpoint; collective over the world.
+
+    Replicas (the same block on several DP ranks, a plain tensor on every rank) are written
+    once: the planner keeps one copy of each (key, offset).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    with _quiet_sharded_tensor():
+        dcp.save(_dcp_state(blocks, plain, group), checkpoint_id=str(folder))
+
+
+def saved_shapes(folder: str | Path) -> dict[str, tuple[int, ...] | None]:
+    """Global shape of every tensor in a sharded checkpoint (None for a non-tensor entry)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    return {k: tuple(m.size) if isinstance(m, TensorStorageMetadata) else None for k, m in metadata.items()}
+
+
+def load_sharded(
+    folder: str | Path, blocks: dict[str, Block], plain: dict[str, Any], group: Any = None
+) -> dict[str, Any]:
+    """Read `blocks` in place from a checkpoint written at any split; collective over the world.
+
+    Each rank reads the parts of the saved blocks that overlap its own, so a checkpoint
+    written at TP=2 loads at TP=1 and vice versa. Plain tensors are filled in place; plain
+    objects come back in the returned dict.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    with _quiet_sharded_tensor():
+        state = _dcp_state(blocks, plain, group)
+        dcp.load(state, checkpoint_id=str(folder))
+    return {k: state[k] for k in plain}
+
+
+def check_layout(*, tp: int, pp: int = 1, cp: int = 1, world: int | None = None) -> None:
+    """ValueError naming the flag for a parallel layout the trainers cannot run yet.
+
+    Pipeline and context parallelism are described in docs/parallelism.md and refused until
+    they are tested. Imports nothing of megatron, so a launcher can call it first.
+    """
+    world = world_size() if world is None else world
+    if pp != 1:
+        raise ValueError(
+            f"--pp {pp}: pipeline parallelism is not supported yet (docs/parallelism.md says how it "
+            "would fit); use --pp 1"
+        )
+    if cp != 1:
+        raise ValueError(
+            f"--cp {cp}: context parallelism is not supported yet (docs/parallelism.md says how it "
+            "would fit); use --cp 1"
+        )
+    if tp < 1 or world % tp:
+        raise ValueError(f"--tp {tp} does not divide the world size {world}")

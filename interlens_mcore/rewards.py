@@ -68,7 +68,9 @@ def checked(fn: Any, values: Any, trajectories: Sequence[Trajectory]) -> list[fl
     """`values` as one finite float per trajectory, or a `RewardError` naming `fn` and the sample."""
     name = reward_name(fn)
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) and not hasattr(values, "tolist"):
-        raise RewardError(f"reward function {name!r} returned {type(values).__name__}, expected a list of floats")
+        raise RewardError(
+            f"reward function {name!r} returned {type(values).__name__}, expected a list of floats"
+        )
     values = values.tolist() if hasattr(values, "tolist") else list(values)
     if len(values) != len(trajectories):
         raise RewardError(
@@ -79,7 +81,8 @@ def checked(fn: Any, values: Any, trajectories: Sequence[Trajectory]) -> list[fl
         if isinstance(v, bool) or not isinstance(v, Real) or not math.isfinite(float(v)):
             where = f"{t.infos.get('conversation', '?')}, seat {t.participant!r}"
             raise RewardError(
-                f"reward function {name!r} returned {v!r} for trajectory {i} ({where}), expected a finite number"
+                f"reward function {name!r} returned {v!r} for trajectory {i} ({where}), "
+                "expected a finite number"
             )
         out.append(float(v))
     return out

@@ -1,12 +1,15 @@
 """Run rollouts without training and write every trajectory as JSONL, to see what a model and
-an environment produce.
+a task produce.
 
     torchrun --nproc_per_node=2 launch/rollout.py --output-dir runs/look --steps 1
+    torchrun --nproc_per_node=2 launch/rollout.py --checkpoint runs/grpo --output-dir runs/look-trained
     python launch/rollout.py --backend deepspeed --zero-stage 1 --output-dir runs/look
 
-Writes OUTPUT_DIR/rollouts.jsonl: one object per trajectory with its reward and advantage,
-the transcript, the token ids and loss mask, and per trained turn its text, ids and logprobs.
-`--steps` is the number of rollout rounds. Same options as train_grpo.py.
+Writes OUTPUT_DIR/rollouts.jsonl: one object per trajectory with its seat, reward and
+advantage, the transcript, the token ids and loss mask, and per trained turn its text, ids and
+logprobs. `--steps` is the number of rollout rounds; `--checkpoint` loads the weights of a
+training run (its newest intact checkpoint) or of one `step-NNNNNN` folder first. Same
+options as train_grpo.py.
 """
 
 from __future__ import annotations
@@ -14,28 +17,50 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
-# the repository root, for `interlens_mcore` and `trainers` when the package is not installed
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), os.getcwd()]
 
-import torch  # noqa: E402
-from backends import build_trainer, configs, import_backend  # noqa: E402
-from options import UsageError, parse, validate  # noqa: E402
+import quiet  # noqa: E402, F401
+from build import build_trainer, check  # noqa: E402
+from cli import UsageError, parse  # noqa: E402
 
 from interlens_mcore import parallel  # noqa: E402
+from trainers import checkpoint  # noqa: E402
 
 OUT_FILE = "rollouts.jsonl"
 
 
-def trajectory_record(t, conv, advantage: float, tokenizer, step: int) -> dict:
+@dataclass(frozen=True, kw_only=True)
+class RolloutScriptConfig:
+    checkpoint: str | None = field(
+        default=None,
+        metadata={"help": "a training run folder (its newest intact checkpoint) or a step-NNNNNN folder"},
+    )
+
+
+def checkpoint_folder(path: str) -> Path:
+    """A `step-NNNNNN` folder, or the newest intact one of a run folder; UsageError naming --checkpoint."""
+    p = Path(path)
+    if (p / checkpoint.META).is_file():
+        return p
+    root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+    if not root.is_dir():
+        raise UsageError(f"--checkpoint {path}: no such folder")
+    good, _ = checkpoint.newest_intact(root)
+    if good is None:
+        raise UsageError(f"--checkpoint {path}: holds no intact step-NNNNNN checkpoint")
+    return good
+
+
+def trajectory_record(t, advantage: float, tokenizer, step: int) -> dict:
     """One JSON-ready trajectory: text and tokens, mask, and each trained turn's logprobs."""
     logprobs = list(t.rollout_logprobs or [])
     turns, used = [], 0
     for span in t.turns:
-        ids = [
-            tok for tok, m in zip(t.token_ids[span.start : span.end], t.loss_mask[span.start : span.end]) if m
-        ]
+        pairs = zip(t.token_ids[span.start : span.end], t.loss_mask[span.start : span.end])
+        ids = [tok for tok, m in pairs if m]
         turns.append(
             {
                 "start": span.start,
@@ -50,12 +75,13 @@ def trajectory_record(t, conv, advantage: float, tokenizer, step: int) -> dict:
     return {
         "step": step,
         "conversation": t.infos.get("conversation"),
+        "seat": t.participant,
         "group": t.group,
         "reward": t.reward,
         "advantage": advantage,
         "status": t.status.value,
         "stop_reason": t.infos.get("stop_reason"),
-        "messages": [{"speaker": m.speaker, "role": m.role, "content": m.content} for m in conv.messages],
+        "messages": t.infos.get("messages", []),
         "text": tokenizer.decode(t.token_ids),
         "token_ids": t.token_ids,
         "loss_mask": t.loss_mask,
@@ -65,32 +91,34 @@ def trajectory_record(t, conv, advantage: float, tokenizer, step: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        opts = parse(argv, description=__doc__.splitlines()[0])
-        validate(opts)
-        configs(opts)
-        if (Path(opts.output_dir) / OUT_FILE).exists():
-            raise UsageError(f"--output-dir {opts.output_dir}: already holds {OUT_FILE}")
+        args = parse(argv, description=__doc__.splitlines()[0], extra=(RolloutScriptConfig,))
+        (script,) = args.extra
+        out = Path(args.trainer.output_dir or "runs/rollouts")
+        if (out / OUT_FILE).exists():
+            raise UsageError(f"--output-dir {out}: already holds {OUT_FILE}")
+        folder = checkpoint_folder(script.checkpoint) if script.checkpoint else None
+        source = check(args)
     except UsageError as exc:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"rollout.py: error: {exc}", file=sys.stderr)
         return 2
-    import_backend(opts)
+    import torch
+
     torch.set_num_threads(1)
     parallel.init_distributed()
     try:
-        trainer = build_trainer(opts, {})
+        trainer = build_trainer(args, source)
+        if folder is not None:
+            trainer.backend.load(folder)
         records = []
-        for step in range(opts.steps):
-            rollout = trainer.generate_rollouts(trainer.rows_for_step(step), step)
-            convs = {c.id: c for c in rollout.conversations}  # this rank's own conversations
-            for t, a in zip(rollout.trajectories, rollout.advantages.tolist(), strict=True):
-                if t.infos.get("conversation") in convs:
-                    records.append(
-                        trajectory_record(t, convs[t.infos["conversation"]], a, trainer.tokenizer, step)
-                    )
+        for step in range(args.trainer.steps):
+            rollout, _ = trainer.scored_rollout(step)
+            records += [
+                trajectory_record(t, a, trainer.tokenizer, step)
+                for t, a in zip(rollout.trajectories, rollout.advantages.tolist(), strict=True)
+            ]
         everything = [r for part in parallel.all_gather_object(records) for r in part]
         if parallel.rank() == 0:
-            out = Path(opts.output_dir)
             out.mkdir(parents=True, exist_ok=True)
             tmp = out / (OUT_FILE + ".tmp")
             tmp.write_text("".join(json.dumps(r) + "\n" for r in everything))

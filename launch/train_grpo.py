@@ -1,13 +1,16 @@
 """Train a policy with GRPO on multi-turn rollouts (default: guess-a-number, tiny model, CPU).
 
-    torchrun --nproc_per_node=2 launch/train_grpo.py --output-dir runs/grpo
+    torchrun --nproc_per_node=2 launch/train_grpo.py
     torchrun --nproc_per_node=2 launch/train_grpo.py --backend deepspeed --zero-stage 3
     torchrun --nproc_per_node=2 launch/train_grpo.py --output-dir runs/grpo --resume
+    torchrun --nproc_per_node=2 --max-restarts 3 launch/train_grpo.py --output-dir runs/grpo --resume auto
+    torchrun --nproc_per_node=2 launch/train_grpo.py --task mymodule:make_tasks --reward mymodule:reward
     torchrun --nproc_per_node=2 launch/train_grpo.py --config run.yaml --steps 20
 
-Writes OUTPUT_DIR/run.json (the options), metrics.jsonl (one line per step), reward.png and
-checkpoints/step-NNNNNN (atomic; --resume continues from the newest to the same final step).
-Bad input: one line on stderr, exit code 2, nothing written.
+Writes OUTPUT_DIR (default: a new runs/<task>-<timestamp>): run.json (the effective options),
+metrics.jsonl, completions.jsonl, reward.png, tensorboard/ or wandb/ with --report-to, and
+checkpoints/step-NNNNNN (atomic; --resume continues from the newest). Bad input: one line on
+stderr, exit code 2, nothing written. `--help` lists every option with its default.
 """
 
 from __future__ import annotations
@@ -16,60 +19,54 @@ import os
 import sys
 from pathlib import Path
 
-# the repository root, for `interlens_mcore` and `trainers` when the package is not installed
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# the repository root, for `interlens_mcore` and `trainers` when the package is not installed,
+# and the working directory, for the user's own --task / --reward modules
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), os.getcwd()]
 
-import torch  # noqa: E402
-from backends import build_trainer, configs, import_backend  # noqa: E402
-from options import (  # noqa: E402
-    UsageError,
-    check_output_dir,
-    hold_lock,
-    parse,
-    run_identity,
-    validate,
-    world_size,
-)
+import quiet  # noqa: E402, F401  (before megatron / DeepSpeed are imported)
+from build import build_trainer, check  # noqa: E402
+from cli import UsageError, parse  # noqa: E402
 
 from interlens_mcore import parallel  # noqa: E402
-from trainers.base import write_json_atomic  # noqa: E402
 from trainers.checkpoint import NoIntactCheckpoint  # noqa: E402
+from trainers.rundir import RunDirError  # noqa: E402
+
+
+def _say(message: str) -> None:
+    if os.environ.get("RANK", "0") == "0":
+        print(f"train_grpo.py: error: {message}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        opts = parse(argv, description=__doc__.splitlines()[0])
-        validate(opts)
-        configs(opts)  # the configs' own checks, before any process group exists
-        run = {**run_identity(opts), "world_size": world_size()}
-        check_output_dir(opts, run)
-        lock = hold_lock(Path(opts.output_dir)) if os.environ.get("RANK", "0") == "0" else None
+        args = parse(argv, description=__doc__.splitlines()[0])
+        source = check(args)  # every check that needs no process group
     except UsageError as exc:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"train_grpo.py: error: {exc}", file=sys.stderr)
+        _say(str(exc))
         return 2
-    import_backend(opts)
+    import torch
+
     torch.set_num_threads(1)  # ranks share the cores; one intra-op thread each
     parallel.init_distributed()
     try:
+        trainer = build_trainer(args, source)
         if parallel.rank() == 0:
-            write_json_atomic(Path(opts.output_dir) / "run.json", run)
-        trainer = build_trainer(opts, run)
+            print(f"config: {trainer.run_info}", file=sys.stderr)
         try:
-            start = trainer.resume() if opts.resume else 0
-        except NoIntactCheckpoint as exc:  # every rank raises it together
-            if parallel.rank() == 0:
-                print(f"train_grpo.py: error: {exc}", file=sys.stderr)
+            start = trainer.resume() if args.launch.resuming(args.trainer.output_dir) else 0
+            if parallel.rank() == 0 and start:
+                print(f"resuming at step {start} of {args.trainer.steps}", file=sys.stderr)
+            trainer.train()
+        except (NoIntactCheckpoint, RunDirError) as exc:  # every rank raises it together
+            _say(str(exc))
             return 2
-        if parallel.rank() == 0 and start:
-            print(f"resuming at step {start} of {opts.steps}", file=sys.stderr)
-        trainer.train()
-        if opts.export_hf:
-            trainer.export_hf(opts.export_hf)
+        except parallel.WorldFailure as exc:  # on every rank: its last line names the cause
+            print(f"train_grpo.py: error: {exc}", file=sys.stderr)
+            return 1
+        if args.launch.export_hf:
+            trainer.export_hf(args.launch.export_hf)
     finally:
         parallel.destroy()
-        if lock is not None:
-            lock.close()
     return 0
 
 

@@ -24,50 +24,68 @@ from dist_utils import run_ranks
 NAN_STEP, INF_STEP, STEPS = 1, 2, 4
 
 
-def _with_faults(base, grad_param: str):
-    """`base` trainer with the two faults above; `grad_param` names the parameter given an inf."""
+def _alternating(trajectories, rows):
+    # 0, 1 within every group of 2: advantages are never all zero, so a normal step moves
+    return [float(i % 2) for i in range(len(trajectories))]
 
-    class Faulty(base):
-        def __init__(self, **kwargs):
-            super().__init__(**kwargs)
-            self.moved: list[bool] = []
-            self.digests: list[str] = []
-            params = dict(self.trained_module().named_parameters())
-            params[grad_param].register_hook(self._inject_inf)
 
-        def compute_rewards(self, conversations, trajectories):
-            # 0, 1 within every group of 2: advantages are never all zero, so a normal step moves
-            return [float(i % 2) for i in range(len(trajectories))]
+def _faulty_trainer(backend, groups, tiny_path, out, grad_param: str, module, weights):
+    """A GRPOTrainer with the two faults above; `grad_param` names the parameter given an inf."""
+    from transformers import AutoTokenizer
 
-        def loss(self, logprobs, batch, **kwargs):
-            loss, metrics = super().loss(logprobs, batch, **kwargs)
-            if self.step == NAN_STEP and self.groups.rank == 1:
-                loss = loss + float("nan")  # gradient still finite: the trainer must catch it
-            return loss, metrics
+    from interlens_mcore.loss import LossConfig, batch_loss
+    from interlens_mcore.rollout import RolloutConfig
+    from interlens_mcore.tasks import GuessTasks
+    from trainers import GRPOTrainer, TrainerConfig
 
-        def _inject_inf(self, grad):
-            if self.step != INF_STEP or self.groups.rank != 0:
-                return grad
-            grad = grad.clone()
-            grad.view(-1)[0] = float("inf")
-            return grad
+    class Watched(GRPOTrainer):
+        """Records, per step, whether the weights moved and a digest of them."""
 
-        def train_on(self, rollout):
-            before = self.weights()
-            metrics = super().train_on(rollout)
-            after = self.weights()
+        moved: list[bool] = []
+        digests: list[str] = []
+
+        def train_step(self):
+            before = weights()
+            out = super().train_step()
+            after = weights()
             self.moved.append(any(not a.equal(b) for a, b in zip(before, after, strict=True)))
             self.digests.append(hashlib.sha256(b"".join(w.numpy().tobytes() for w in after)).hexdigest())
-            return metrics
+            return out
 
-    return Faulty
+    def loss_fn(logprobs, batch, config, **kwargs):
+        loss, metrics = batch_loss(logprobs, batch, config, **kwargs)
+        if trainer.step == NAN_STEP and groups.rank == 1:
+            loss = loss + float("nan")  # gradient still finite: the trainer must catch it
+        return loss, metrics
+
+    def inject_inf(grad):
+        if trainer.step != INF_STEP or groups.rank != 0:
+            return grad
+        grad = grad.clone()
+        grad.view(-1)[0] = float("inf")
+        return grad
+
+    dict(module().named_parameters())[grad_param].register_hook(inject_inf)
+    trainer = Watched(
+        backend=backend,
+        tasks=GuessTasks(),
+        groups=groups,
+        tokenizer=AutoTokenizer.from_pretrained(tiny_path),
+        config=TrainerConfig(steps=STEPS, batch_size=2, output_dir=out, eval_every=0),
+        rollout_config=RolloutConfig(num_generations=2, max_new_tokens=4),
+        loss_config=LossConfig(beta=0.0),
+        rewards=[_alternating],
+        loss_fn=loss_fn,
+    )
+    trainer.moved, trainer.digests = [], []
+    return trainer
 
 
 def _run(trainer) -> dict:
     records = trainer.train()
     trainer.skipped_steps = 0
     trainer.resume()  # the counter comes back from the trainer state of the last checkpoint
-    text = (Path(trainer.config.output_dir) / "metrics.jsonl").read_text() if trainer.groups.rank == 0 else ""
+    text = (Path(trainer.output_dir) / "metrics.jsonl").read_text() if trainer.groups.rank == 0 else ""
     return {
         "records": records,
         "moved": trainer.moved,
@@ -79,61 +97,40 @@ def _run(trainer) -> dict:
 
 
 def _megatron(rank, world_size, tiny_path, out, tp):
-    from transformers import AutoTokenizer
-
     from interlens_mcore import parallel
-    from interlens_mcore.loss import LossConfig
-    from interlens_mcore.mixin import RolloutConfig
-    from trainers import MegatronGRPOTrainer, TrainerConfig
-
-    class Trainer(MegatronGRPOTrainer):
-        def trained_module(self):
-            return self.model
-
-        def weights(self):
-            return [p.detach().clone() for p in self.model.parameters()]
+    from trainers import MegatronBackend
 
     parallel.init_megatron(tp)
+    groups = parallel.build_groups(rollout="model_parallel")
+    backend = MegatronBackend(model_path=tiny_path, groups=groups, lr=2e-3)
+
+    def weights():
+        return [p.detach().clone() for p in backend.model.parameters()]
+
     # a norm weight: replicated under TP, so at TP=2 only rank 0's copy holds the inf
-    cls = _with_faults(Trainer, "decoder.final_layernorm.weight")
-    trainer = cls(
-        model_path=tiny_path,
-        config=TrainerConfig(steps=STEPS, prompts_per_rank=1, output_dir=out),
-        rollout_config=RolloutConfig(num_generations=2, max_new_tokens=4),
-        loss_config=LossConfig(),
-        groups=parallel.build_groups(rollout="model_parallel"),
-        tokenizer=AutoTokenizer.from_pretrained(tiny_path),
-    )
-    return _run(trainer)
+    grad_param = "decoder.final_layernorm.weight"
+    return _run(_faulty_trainer(backend, groups, tiny_path, out, grad_param, lambda: backend.model, weights))
 
 
 def _norm_of_fixed_batch(rank, world_size, tiny_path, out, tp):
-    """MegatronGRPOTrainer.grad_norm after one backward of a fixed batch, and torch's norm."""
+    """MegatronBackend.grad_norm after one backward of a fixed batch, and torch's norm."""
     import torch
-    from transformers import AutoTokenizer
 
     from interlens_mcore import parallel
     from interlens_mcore.batch import build_batch
-    from interlens_mcore.loss import LossConfig
-    from interlens_mcore.mixin import RolloutConfig
     from interlens_mcore.trajectory import Trajectory
-    from trainers import MegatronGRPOTrainer, TrainerConfig
+    from trainers import MegatronBackend
 
     parallel.init_megatron(tp)
-    trainer = MegatronGRPOTrainer(
-        model_path=tiny_path,
-        config=TrainerConfig(steps=1, prompts_per_rank=1, output_dir=out),
-        rollout_config=RolloutConfig(num_generations=2, max_new_tokens=4),
-        loss_config=LossConfig(),
-        groups=parallel.build_groups(rollout="model_parallel"),
-        tokenizer=AutoTokenizer.from_pretrained(tiny_path),
+    backend = MegatronBackend(
+        model_path=tiny_path, groups=parallel.build_groups(rollout="model_parallel"), lr=1e-3
     )
     tokens = [5, 17, 42, 99, 7, 250, 3, 11, 64, 128]
     t = Trajectory(token_ids=tokens, loss_mask=[0] * 4 + [1] * 6, rollout_logprobs=None)
     batch = build_batch([t], [1.0])
-    trainer.backward(-trainer.policy_logprobs(batch).sum())
-    local = torch.nn.utils.get_total_norm([p.grad for p in trainer.model.parameters() if p.grad is not None])
-    return float(trainer.grad_norm()), float(local)
+    backend.backward(-backend.logprobs_of(batch).sum())
+    local = torch.nn.utils.get_total_norm([p.grad for p in backend.model.parameters() if p.grad is not None])
+    return float(backend.grad_norm()), float(local)
 
 
 def test_megatron_tp2_grad_norm_is_the_whole_models(tmp_path, tiny_path):
@@ -153,30 +150,22 @@ def _deepspeed(rank, world_size, tiny_path, out, stage):
     from transformers import AutoTokenizer
 
     from interlens_mcore import parallel
-    from interlens_mcore.loss import LossConfig
-    from interlens_mcore.mixin import RolloutConfig
-    from trainers import DeepSpeedGRPOTrainer, TrainerConfig, deepspeed_config
+    from trainers import DeepSpeedBackend, deepspeed_config
 
-    class Trainer(DeepSpeedGRPOTrainer):
-        def trained_module(self):
-            return self.ds.module
+    ds = deepspeed_config(zero_stage=stage, lr=2e-3, weight_decay=0.0, grad_clip=1.0, micro_batches=1)
+    groups = parallel.build_groups(rollout="data_parallel" if stage == 3 else "model_parallel")
+    backend = DeepSpeedBackend(
+        model_path=tiny_path, ds_config=ds, groups=groups, tokenizer=AutoTokenizer.from_pretrained(tiny_path)
+    )
 
-        def weights(self):
-            params = list(self.ds.module.parameters())
-            # ZeRO-3 holds a slice of each parameter per rank: gather whole ones (collective)
-            with deepspeed.zero.GatheredParameters(params):
-                return [p.detach().clone() for p in params]
+    def weights():
+        params = list(backend.ds.module.parameters())
+        # ZeRO-3 holds a slice of each parameter per rank: gather whole ones (collective)
+        with deepspeed.zero.GatheredParameters(params):
+            return [p.detach().clone() for p in params]
 
-    cfg = TrainerConfig(steps=STEPS, prompts_per_rank=1, output_dir=out)
-    ds = deepspeed_config(zero_stage=stage, lr=cfg.lr, weight_decay=0.0, grad_clip=1.0, micro_batches=1)
-    trainer = _with_faults(Trainer, "model.norm.weight")(
-        model_path=tiny_path,
-        ds_config=ds,
-        config=cfg,
-        rollout_config=RolloutConfig(num_generations=2, max_new_tokens=4, layout="padded"),
-        loss_config=LossConfig(),
-        groups=parallel.build_groups(rollout="data_parallel" if stage == 3 else "model_parallel"),
-        tokenizer=AutoTokenizer.from_pretrained(tiny_path),
+    trainer = _faulty_trainer(
+        backend, groups, tiny_path, out, "model.norm.weight", lambda: backend.ds.module, weights
     )
     return _run(trainer)
 
@@ -229,18 +218,13 @@ def test_deepspeed_skips_nonfinite_steps(tmp_path, tiny_path, stage):
 def test_deepspeed_refuses_configs_that_would_apply_nonfinite_steps(tmp_path, change, message):
     pytest.importorskip("deepspeed", reason="DeepSpeed is an optional extra: pip install -e .[deepspeed]")
     from interlens_mcore import parallel
-    from interlens_mcore.loss import LossConfig
-    from interlens_mcore.mixin import RolloutConfig
-    from trainers import DeepSpeedGRPOTrainer, TrainerConfig, deepspeed_config
+    from trainers import DeepSpeedBackend, deepspeed_config
 
     ds = deepspeed_config(zero_stage=1, lr=1e-3, weight_decay=0.0, grad_clip=1.0, micro_batches=1)
     with pytest.raises(ValueError, match=message):
-        DeepSpeedGRPOTrainer(
+        DeepSpeedBackend(
             model_path=tmp_path,  # never read: the config is checked first
             ds_config={**ds, **change},
-            config=TrainerConfig(output_dir=str(tmp_path)),
-            rollout_config=RolloutConfig(layout="padded"),
-            loss_config=LossConfig(),
             groups=parallel.ParallelGroups(rank=0, world_size=1),
             tokenizer=None,
         )

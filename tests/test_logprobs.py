@@ -59,6 +59,41 @@ def test_vocab_parallel_bad_vocab_start():
         vocab_parallel_token_logprobs(torch.zeros(2, 3), torch.tensor([0, 1]), vocab_start=-1)
 
 
+@pytest.mark.parametrize("bad", [-1, 9])
+def test_vocab_parallel_range_checks_targets_on_one_rank(bad):
+    # One rank (group None) holds the whole vocabulary of 9 columns: ids must lie in [0, 9).
+    targets = torch.tensor([[0, 8], [bad, 1]])
+    with pytest.raises(ValueError, match=r"targets must lie in \[0, 9\)"):
+        vocab_parallel_token_logprobs(torch.zeros(2, 2, 9), targets, vocab_start=0)
+
+
+def _range_worker(rank, world_size, bad):
+    import torch.distributed as dist
+
+    # Two shards of 5 columns: the vocabulary is 10, so id 9 (last column of rank 1) is valid.
+    shard = torch.zeros(2, 5)
+    ok = vocab_parallel_token_logprobs(
+        shard, torch.tensor([0, 9]), vocab_start=rank * 5, group=dist.group.WORLD
+    )
+    try:
+        vocab_parallel_token_logprobs(
+            shard, torch.tensor([0, bad]), vocab_start=rank * 5, group=dist.group.WORLD
+        )
+    except ValueError as exc:
+        return ok.tolist(), str(exc)
+    return ok.tolist(), None
+
+
+@pytest.mark.parametrize("bad", [10, -2])
+def test_vocab_parallel_range_checks_targets_on_two_ranks(bad):
+    # Without the check, id 10 is owned by no rank and would silently score logit 0 (ln 1/10 here);
+    # both ranks must raise, together, so neither waits in a collective for the other.
+    results = run_ranks(_range_worker, 2, bad, timeout=120)
+    for ok, error in results:
+        assert ok == pytest.approx([math.log(0.1)] * 2)  # uniform logits over 10 ids
+        assert error is not None and "targets must lie in [0, 10)" in error
+
+
 def _tp2_worker(rank, world_size, temperature):
     import torch
     from megatron.core import parallel_state, tensor_parallel

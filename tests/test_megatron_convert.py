@@ -7,14 +7,19 @@ untied with a vocabulary of 515, so TP=2 pads it to 516 and the padded row is ex
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from dist_utils import run_ranks
+from train_utils import env, torchrun
 
 from interlens_mcore.assets import ensure_tiny_model
 
+ROOT = Path(__file__).resolve().parents[1]
+CONVERT = ROOT / "launch" / "convert.py"
 SEQS = [[5, 9, 33, 2, 100, 7], [1, 2, 3], [44, 45, 46, 47, 48, 49, 50, 51, 300, 511]]
 
 
@@ -204,3 +209,198 @@ def test_tp_size_must_divide_heads_and_kv_heads():
         layout_from_hf_config(cfg, tp_size=3)
     with pytest.raises(ValueError, match="TP size 4 does not divide num_key_value_heads=2"):
         layout_from_hf_config(cfg, tp_size=4)
+
+
+# ---- conversion without training: HF folder <-> sharded megatron checkpoint ----
+
+
+def _bf16_llama(tiny_path, out: Path) -> Path:
+    """A tied Llama of our own config, stored in bfloat16 (as released checkpoints are)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    if (out / "config.json").exists():
+        return out
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        initializer_range=0.1,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def _round_trip_job(rank, world_size, paths: dict[str, str], out_dir: str):
+    """Each family: HF -> megatron at TP=2 -> HF at TP=1, and HF -> megatron at TP=1 -> HF at TP=2."""
+    from megatron.core import parallel_state
+
+    from interlens_mcore.megatron import hf_to_megatron, is_megatron_checkpoint, load_model, megatron_to_hf
+
+    out, results = Path(out_dir), {"same_params": {}, "is_megatron": {}}
+
+    def at_tp(tp: int, work) -> None:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+        try:
+            for family, path in paths.items():
+                work(family, Path(path))
+        finally:
+            parallel_state.destroy_model_parallel()
+
+    def tp1(family: str, path: Path) -> None:
+        hf_to_megatron(path, out / f"{family}-mg1")
+        megatron_to_hf(out / f"{family}-mg2", out / f"{family}-hf-from-tp2")
+        # the megatron folder gives the same model as the HF folder it came from
+        a, _ = load_model(out / f"{family}-mg1")
+        b, _ = load_model(path)
+        pairs = zip(a.named_parameters(), b.named_parameters(), strict=True)
+        results["same_params"][family] = all(na == nb and torch.equal(x, y) for (na, x), (nb, y) in pairs)
+        results["is_megatron"][family] = (
+            is_megatron_checkpoint(out / f"{family}-mg1"),
+            is_megatron_checkpoint(path),
+        )
+
+    at_tp(2, lambda family, path: hf_to_megatron(path, out / f"{family}-mg2"))
+    at_tp(1, tp1)
+    at_tp(2, lambda family, path: megatron_to_hf(out / f"{family}-mg1", out / f"{family}-hf-from-tp1"))
+    return results
+
+
+@pytest.fixture(scope="module")
+def round_trips(tiny_path, tiny_llama_path, tmp_path_factory):
+    bf16 = _bf16_llama(tiny_path, tmp_path_factory.mktemp("assets") / "llama-bf16")
+    paths = {"qwen2": str(tiny_path), "llama": str(tiny_llama_path), "llama-bf16": str(bf16)}
+    out = tmp_path_factory.mktemp("round-trips")
+    return run_ranks(_round_trip_job, 2, paths, str(out), timeout=240), paths, out
+
+
+def _assert_same_safetensors(a: Path, b: Path) -> None:
+    from safetensors.torch import load_file
+
+    x, y = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert sorted(x) == sorted(y)
+    for name in x:
+        assert x[name].dtype == y[name].dtype and torch.equal(x[name], y[name]), name
+
+
+@pytest.mark.parametrize("saved_tp", [1, 2])
+@pytest.mark.parametrize("family", ["qwen2", "llama", "llama-bf16"])
+def test_hf_megatron_hf_is_bit_identical_across_tp_sizes(round_trips, family, saved_tp):
+    results, paths, out = round_trips
+    # saved at TP=2 and read back at TP=1, or saved at TP=1 and read back at TP=2
+    _assert_same_safetensors(Path(paths[family]), out / f"{family}-hf-from-tp{saved_tp}")
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "llama-bf16"])
+def test_load_model_takes_either_form(round_trips, family):
+    results, paths, out = round_trips
+    assert all(r["same_params"][family] for r in results)
+    assert all(r["is_megatron"][family] == (True, False) for r in results)
+    files = sorted(p.name for p in (out / f"{family}-mg2").iterdir())
+    # the HF config and tokenizer travel with the weights, so AutoTokenizer reads the folder
+    assert {"config.json", "megatron.json", "tokenizer.json", "weights"} <= set(files)
+    assert "model.safetensors" not in files
+
+
+def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
+    return torchrun(*args, nproc=nproc, script=CONVERT)
+
+
+def _env() -> dict:
+    return env(PYTHONPATH=str(ROOT))
+
+
+def test_convert_script_round_trip_at_tp2_then_tp1(tiny_path, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    src = _bf16_llama(tiny_path, tmp_path / "src")
+    there = _torchrun(2, "--hf", str(src), "--megatron", str(tmp_path / "mg"), "--tp", "2")
+    assert there.returncode == 0, there.stderr[-3000:]
+    assert (tmp_path / "mg" / "manifest.json").is_file()
+    back = _torchrun(1, "--megatron", str(tmp_path / "mg"), "--hf", str(tmp_path / "hf"))
+    assert back.returncode == 0, back.stderr[-3000:]
+    _assert_same_safetensors(src, tmp_path / "hf")
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "hf").dtype == torch.bfloat16
+    # the written checkpoint is checked before it is read: a flipped byte is refused by name
+    blob = next((tmp_path / "mg" / "weights").glob("*.distcp"))
+    data = bytearray(blob.read_bytes())
+    data[-1] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    bad = _run_convert("--megatron", str(tmp_path / "mg"), "--hf", str(tmp_path / "hf2"))
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == (
+        f"convert.py: error: --megatron {tmp_path / 'mg'}: corrupt checkpoint "
+        f"(weights/{blob.name}: sha256 mismatch)"
+    )
+    assert not (tmp_path / "hf2").exists()
+
+
+def _run_convert(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(CONVERT), *args], capture_output=True, text=True, timeout=120, env=_env()
+    )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--hf", "{tmp}/absent", "--megatron", "{tmp}/out"],
+            "--hf {tmp}/absent and --megatron {tmp}/out: neither exists, so there is no input",
+        ),
+        (
+            ["--hf", "{tiny}", "--megatron", "{tiny}"],
+            "--hf {tiny} and --megatron {tiny} both hold files; one must be the output",
+        ),
+        (
+            ["--hf", "{tiny}", "--megatron", "{tmp}/out", "--tp", "3"],
+            "--tp 3 does not divide the number of processes 1",
+        ),
+        (
+            ["--hf", "{tmp}/notes", "--megatron", "{tmp}/out"],
+            "--hf {tmp}/notes: not an HF folder (no config.json)",
+        ),
+        (
+            ["--megatron", "{tmp}/notes", "--hf", "{tmp}/out"],
+            "--megatron {tmp}/notes: not a sharded megatron checkpoint (no megatron.json and weights/)",
+        ),
+        (["--hf", "{tiny}"], "the following arguments are required: --megatron"),
+    ],
+)
+def test_convert_script_bad_input_is_one_line_naming_the_flag(tiny_path, tmp_path, args, message):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "README").write_text("not a model")
+    fill = {"tmp": str(tmp_path), "tiny": str(tiny_path)}
+    result = _run_convert(*[a.format(**fill) for a in args])
+    assert result.returncode == 2
+    assert result.stderr == f"convert.py: error: {message.format(**fill)}\n"
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_script_refuses_a_tp_that_does_not_divide_the_heads(tiny_path, tmp_path):
+    env = {**_env(), "WORLD_SIZE": "4"}  # as torchrun would set it for 4 processes
+    cmd = [
+        sys.executable,
+        str(CONVERT),
+        "--hf",
+        str(tiny_path),
+        "--megatron",
+        str(tmp_path / "o"),
+        "--tp",
+        "4",
+    ]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 2
+    assert result.stderr == (
+        f"convert.py: error: --tp 4 does not divide num_key_value_heads=2 of the model in --hf {tiny_path}\n"
+    )

@@ -46,7 +46,7 @@ def test_same_step_same_rollout(tiny):
 
 def test_custom_reward_override(tiny):
     class Always(ForeignTrainer):
-        def compute_rewards(self, conversations, trajectories):
+        def compute_rewards(self, trajectories, rows):
             return [float(i % 2) for i in range(len(trajectories))]
 
     rollout = Always(*tiny, num_generations=2).generate_rollouts(guess_tasks(1, seed=0), step=0)
@@ -78,7 +78,8 @@ def test_scheduler_path(tiny):
             # a tool that answers every reply; two engine calls per request at most
             return ToolScheduler(self.policy().chat, tool=lambda text: "ok", max_turns=2)
 
-        def compute_rewards(self, conversations, trajectories):
+        def compute_rewards(self, trajectories, rows):
+            assert len(rows) == len(trajectories)
             return [float(len(t.turns)) / 2 for t in trajectories]
 
     trainer = WithTool(*tiny, num_generations=3, max_new_tokens=3)
@@ -99,5 +100,5 @@ def test_scheduler_path_needs_a_reward(tiny):
         def scheduler(self):
             return ToolScheduler(self.policy().chat, tool=lambda text: "ok", max_turns=1)
 
-    with pytest.raises(ValueError, match="rollout_infos\\['reward'\\]"):
+    with pytest.raises(ValueError, match="its scheduler set no reward in rollout_infos"):
         NoReward(*tiny, num_generations=2).generate_rollouts([[{"role": "user", "content": "hi"}]], step=0)

@@ -8,10 +8,11 @@ import pytest
 import torch
 from test_mixin import ForeignTrainer
 
-from interlens_mcore.conversation import Conversation, Environment, Policy, Scripted
+from interlens_mcore.conversation import Conversation, Environment, Scripted
 from interlens_mcore.engine import HFEngine
-from interlens_mcore.envs import DuelTask, duel_tasks, fixed_opponent_tasks, guess_tasks, make_tasks
+from interlens_mcore.envs import DuelTask, duel_tasks, guess_tasks
 from interlens_mcore.envs.duel import DuelReferee
+from interlens_mcore.tasks import DuelTasks, GuessTasks, resolve_task
 from interlens_mcore.trajectory import Message, Status
 
 Trainer = ForeignTrainer  # an HF model, one process, no torch.distributed
@@ -48,19 +49,34 @@ def test_duel_referee_outcomes_and_rewards():
     assert ref.reward_for(conv, "player_b") == 0.5 * 1.0 + 0.5 * (0.5 * 4 / 8)
 
 
-def test_task_validation_and_factories():
+def test_task_validation_and_sources():
     with pytest.raises(ValueError, match="target 12 lies outside"):
         DuelTask(target=12)
     with pytest.raises(ValueError, match="random_seats holds \\['player_c'\\]"):
         DuelTask(target=3, random_seats=("player_c",))
-    with pytest.raises(ValueError, match="single seat"):
-        make_tasks("guess", 2, seed=0, opponent="random")
-    with pytest.raises(ValueError, match="env must be one of"):
-        make_tasks("chess", 2, seed=0)
-    assert make_tasks("duel", 3, seed=4) == duel_tasks(3, seed=4)
-    evals = fixed_opponent_tasks("duel", 2, seed=0)
+    with pytest.raises(ValueError, match="opponent must be one of self, random, frozen"):
+        DuelTasks(opponent="mirror")
+    with pytest.raises(ValueError, match="--task 'chess' is not a known task"):
+        resolve_task("chess")
+    with pytest.raises(ValueError, match="bad --task-args"):
+        resolve_task("guess", {"opponent": "random"})  # guess has one seat: no opponent option
+    assert GuessTasks().rows(3, seed=4) == guess_tasks(3, seed=4)
+    assert DuelTasks().rows(3, seed=4) == duel_tasks(3, seed=4)
+    assert DuelTasks(opponent="random").trained_seats == ("player_a",)
+    frozen = DuelTasks(opponent="frozen")
+    assert frozen.trained_seats == ("player_a",) and frozen.frozen_seats == ("player_b",)
+    evals = DuelTasks().eval_rows(2, seed=0)
     assert [t.random_seats for t in evals] == [("player_b",)] * 2 + [("player_a",)] * 2
-    assert fixed_opponent_tasks("guess", 2, seed=0) == []
+    # held out: drawn from another seed than the training rows of the same seed
+    assert GuessTasks().eval_rows(8, seed=0) != GuessTasks().rows(8, seed=0)
+
+
+def _scores(rollout) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {}
+    for t in rollout.trajectories:
+        out.setdefault(f"reward/{t.participant}", []).append(t.reward)
+        out.setdefault(f"win_rate/{t.participant}", []).append(t.infos["success"])
+    return out
 
 
 def test_self_play_seats_views_rewards_and_groups(tiny):
@@ -82,10 +98,14 @@ def test_self_play_seats_views_rewards_and_groups(tiny):
         assert t.rollout_logprobs == own.logprobs
         assert t.reward == conv.lineup[-1].reward_for(conv, t.participant)
     a_view = next(t for t in trajs if t.participant == "player_a")
-    b_view = next(t for t in trajs if t.participant == "player_b" and t.infos == a_view.infos)
+    b_view = next(
+        t
+        for t in trajs
+        if t.participant == "player_b" and t.infos["conversation"] == a_view.infos["conversation"]
+    )
     # B answered after reading A: A's reply, rendered once as a user message, precedes B's turn
     a_msg = next(m for m in by_id[a_view.infos["conversation"]].messages if m.speaker == "player_a")
-    rendered = trainer.seat_policy("player_b").chat.message_ids("user", a_msg.content)
+    rendered = trainer.rollouter.seat("player_b").chat.message_ids("user", a_msg.content)
     b_start = b_view.turns[0].start
     assert any(b_view.token_ids[i : i + len(rendered)] == rendered for i in range(b_start))
     assert not any(b_view.loss_mask[:b_start])
@@ -103,9 +123,9 @@ def test_self_play_seats_views_rewards_and_groups(tiny):
 
 def test_random_opponent_trains_one_seat_and_evaluate(tiny):
     trainer = Trainer(*tiny, num_generations=2)
-    rollout = trainer.generate_rollouts(make_tasks("duel", 2, seed=0, opponent="random"), step=0)
+    rollout = trainer.generate_rollouts(DuelTasks(opponent="random").rows(2, seed=0), step=0)
     assert [t.participant for t in rollout.trajectories] == ["player_a"] * 4
-    scores = trainer.evaluate(fixed_opponent_tasks("duel", 3, seed=7), step=0)
+    scores = _scores(trainer.evaluate(DuelTasks().eval_rows(3, seed=7), step=0))
     assert sorted(scores) == ["reward/player_a", "reward/player_b", "win_rate/player_a", "win_rate/player_b"]
     assert all(len(v) == 3 for v in scores.values())
     assert all(x in (0.0, 0.5, 1.0) for k, v in scores.items() if k.startswith("win") for x in v)
@@ -117,15 +137,10 @@ def test_frozen_opponent_seat(tiny, tiny_path):
     frozen = HFEngine(AutoModelForCausalLM.from_pretrained(tiny_path), tiny[1], name="frozen")
 
     class VsFrozen(Trainer):
-        def seat_policy(self, name):
-            if name != "player_b":
-                return super().seat_policy(name)
-            if not hasattr(self, "_b"):
-                self._b = Policy(name=name, engine=frozen, tokenizer=self.tokenizer, trainable=False)
-            return self._b
+        frozen_seats = ("player_b",)
 
-        def extra_engines(self):
-            return [frozen]
+        def frozen_engine(self):
+            return frozen
 
     trainer = VsFrozen(*tiny, num_generations=2)
     rollout = trainer.generate_rollouts(duel_tasks(1, seed=2), step=0)
@@ -133,7 +148,7 @@ def test_frozen_opponent_seat(tiny, tiny_path):
     b_said = [m for c in rollout.conversations for m in c.messages if m.speaker == "player_b"]
     assert len(b_said) == 2 and all(m.token_ids for m in b_said)  # sampled by the frozen engine
     # evaluation measures the trained policy in every seat, the frozen one's included
-    scores = trainer.evaluate(fixed_opponent_tasks("duel", 2, seed=1), step=0)
+    scores = _scores(trainer.evaluate(DuelTasks().eval_rows(2, seed=1), step=0))
     wins = sorted(k for k in scores if k.startswith("win_rate/"))
     assert wins == ["win_rate/player_a", "win_rate/player_b"]
 

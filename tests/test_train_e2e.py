@@ -21,6 +21,7 @@ def _check_run(out, steps: int) -> list[dict]:
         # every sample's rollout logprobs are complete, so IS correction covers all of them
         assert r["is_sample_fraction"] == 1.0
     assert (out / "reward.png").stat().st_size > 0
+    assert (out / "completions.jsonl").is_file() and (out / "run.json").is_file()
     assert (out / "checkpoints" / f"step-{steps:06d}" / "meta.json").is_file()
     return rows
 

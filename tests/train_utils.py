@@ -76,4 +76,24 @@ def python(*args: str, timeout: float = 120, **extra_env: str) -> subprocess.Com
 
 
 def metrics(out: Path) -> list[dict]:
+    """The training steps' records (the end-of-run evaluation line left out: see `evaluations`)."""
+    return [r for r in all_records(out) if "reward_mean" in r]
+
+
+def all_records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def evaluations(out: Path) -> list[dict]:
+    """Every record holding evaluation figures, the end-of-run one (step == steps) included."""
+    return [r for r in all_records(out) if any(k.startswith("eval/") for k in r)]
+
+
+def train_main():
+    """`launch/train_grpo.py`'s `main` in this process (for the checks that run before any process group)."""
+    import importlib
+
+    launch = str(ROOT / "launch")
+    if launch not in sys.path:
+        sys.path.insert(0, launch)
+    return importlib.import_module("train_grpo").main

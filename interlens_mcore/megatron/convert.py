@@ -28,6 +28,9 @@ from .. import parallel
 from .model import ModelLayout
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
+# the files of a sharded megatron checkpoint folder (checkpoint.py) that never belong in an HF one
+MEGATRON_MARKER = "megatron.json"
+CHECKPOINT_FILES = (MEGATRON_MARKER, "manifest.json", "meta.json")
 
 
 @dataclass(frozen=True)
@@ -198,22 +201,30 @@ def gather_hf_state_dict(model: torch.nn.Module, layout: ModelLayout) -> dict[st
 
 
 def export_hf(
-    model: torch.nn.Module, layout: ModelLayout, src_folder: str | Path, out_dir: str | Path
+    model: torch.nn.Module,
+    layout: ModelLayout,
+    src_folder: str | Path,
+    out_dir: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
 ) -> Path:
     """Write `model` as an HF folder that `from_pretrained` loads; call on every rank.
 
     Shards are gathered over each TP group; global rank 0 writes `model.safetensors` (one
-    file, in the parameters' dtype) and copies every non-weight file of `src_folder` (config,
-    generation config, tokenizer, chat template). Ends with a barrier over the world.
+    file, in the parameters' dtype, or `dtype`) and copies every non-weight file of `src_folder` (config,
+    generation config, tokenizer, chat template; an HF folder or a sharded megatron
+    checkpoint, whose own files are left out). Ends with a barrier over the world.
     """
     src, out = Path(src_folder), Path(out_dir)
     state = gather_hf_state_dict(model, layout)
+    if dtype is not None:  # megatron's norms stay float32 in a bfloat16 model
+        state = {k: v.to(dtype) for k, v in state.items()}
     if parallel.rank() == 0:
         from safetensors.torch import save_file
 
         out.mkdir(parents=True, exist_ok=True)
         for f in src.iterdir():
-            if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES):
+            if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES) and f.name not in CHECKPOINT_FILES:
                 shutil.copy2(f, out / f.name)
         save_file(state, out / "model.safetensors", metadata={"format": "pt"})
     parallel.barrier()

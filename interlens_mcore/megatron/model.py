@@ -24,7 +24,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from .. import parallel
-from .spec import layer_spec, packed_positions
+from .spec import SpecKind, choose_spec, layer_spec, packed_positions
 
 FAMILIES = ("llama", "qwen2")
 
@@ -157,11 +157,11 @@ def build_model(
     layout: ModelLayout,
     *,
     init_weights: bool = True,
-    megatron_rope: bool | None = None,
+    spec: SpecKind | None = None,
     params_dtype: torch.dtype = torch.float32,
     **config_overrides,
 ) -> GPTModel:
-    """A GPTModel for this rank's TP shard. megatron_rope=None: megatron's rope iff CUDA exists.
+    """A GPTModel for this rank's TP shard; `spec` None: `choose_spec` for where it runs.
 
     init_weights=False skips megatron's random initialisation (weights are loaded next). On
     GPU, megatron's initialisation needs its CUDA RNG tracker first
@@ -171,21 +171,47 @@ def build_model(
     tp = parallel.world_size(parallel.megatron_tp_group())
     if tp != layout.tp_size:
         raise ValueError(f"layout is for TP size {layout.tp_size} but megatron's TP group has {tp} ranks")
-    if megatron_rope is None:
-        megatron_rope = torch.cuda.is_available()
+    if spec is None:
+        spec = choose_spec(cuda=torch.cuda.is_available())
     config = transformer_config(
         layout, params_dtype=params_dtype, perform_initialization=init_weights, **config_overrides
     )
-    return GPTModel(
+    model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(rotary_base=layout.rope_base, megatron_rope=megatron_rope),
+        transformer_layer_spec=layer_spec(spec, rotary_base=layout.rope_base),
         vocab_size=layout.padded_vocab_size,
         max_sequence_length=layout.max_position,
         parallel_output=True,  # logits stay vocab-sharded; sampling and losses are vocab-parallel
         share_embeddings_and_output_weights=layout.tied_embeddings,
-        position_embedding_type="rope" if megatron_rope else "none",
+        # "sdpa_cpu" rotates inside its core attention; the others use megatron's RoPE
+        position_embedding_type="none" if spec == "sdpa_cpu" else "rope",
         rotary_base=layout.rope_base,
     )
+    if not init_weights:
+        mark_tp_slices(model)
+    return model
+
+
+def mark_tp_slices(model: torch.nn.Module) -> None:
+    """Set megatron's `tensor_model_parallel` attributes on every TP slice.
+
+    megatron sets them only inside its weight initialisation, so a model built with
+    init_weights=False would leave them unset; megatron's optimizer reads them to count each
+    slice once in the gradient norm (unmarked parameters count on TP rank 0 only).
+    """
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            dims = {"weight": 0, "bias": 0}
+        elif isinstance(module, RowParallelLinear):
+            dims = {"weight": 1}  # its bias is added after the reduce: a full copy
+        else:
+            continue
+        for name, p in module.named_parameters(recurse=False):
+            if name in dims and not getattr(p, "tensor_model_parallel", False):
+                # megatron's own setter asserts the attributes are absent; defaults may be set
+                p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dims[name], 1
 
 
 def packed_seq_params(cu_seqlens: torch.Tensor) -> PackedSeqParams:

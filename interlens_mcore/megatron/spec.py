@@ -16,6 +16,8 @@ implied by the layout, restarting at 0 for every sequence of a packed (THD) batc
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt.gpt_layer_specs import (
@@ -170,17 +172,36 @@ class SDPACoreAttention(MegatronModule):
         return out.reshape(out.shape[0], -1)  # [t, np * hn]
 
 
-def layer_spec(*, rotary_base: float, megatron_rope: bool) -> ModuleSpec:
-    """The transformer layer spec; `megatron_rope` selects megatron's own rotary path (GPU).
+SpecKind = Literal["transformer_engine", "local", "sdpa_cpu"]
 
-    Returns megatron's Transformer Engine spec when TE is installed and megatron's rope is
-    used; otherwise megatron's local spec (RMSNorm, SwiGLU MLP) with `SDPACoreAttention`.
+
+def choose_spec(*, cuda: bool, have_te: bool = HAVE_TE) -> SpecKind:
+    """Which layer spec a model gets where it runs.
+
+    - "transformer_engine": megatron's TE spec (fused norms and linears, TE attention, THD
+      packed sequences, megatron's RoPE). On GPU when TE is installed.
+    - "local": megatron's local layers and megatron's RoPE, with `SDPACoreAttention` as the
+      core attention: megatron's own local `DotProductAttention` refuses packed (THD) input,
+      which training and the engine feed. On GPU without TE.
+    - "sdpa_cpu": the local layers with `SDPACoreAttention` applying RoPE itself (megatron's
+      rotary embedding needs CUDA). On CPU.
     """
-    if megatron_rope and HAVE_TE:
+    if not cuda:
+        return "sdpa_cpu"
+    return "transformer_engine" if have_te else "local"
+
+
+def layer_spec(kind: SpecKind, *, rotary_base: float) -> ModuleSpec:
+    """The transformer layer spec of `kind` (see `choose_spec`)."""
+    if kind == "transformer_engine":
+        if not HAVE_TE:
+            raise ValueError("layer spec 'transformer_engine' needs transformer_engine installed")
         return get_gpt_layer_with_transformer_engine_spec()
+    if kind not in ("local", "sdpa_cpu"):
+        raise ValueError(f"layer spec must be one of {SpecKind.__args__}, got {kind!r}")
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
         module=SDPACoreAttention,
-        params={"rotary_base": None if megatron_rope else rotary_base},
+        params={"rotary_base": rotary_base if kind == "sdpa_cpu" else None},
     )
     return spec

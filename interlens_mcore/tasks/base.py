@@ -46,7 +46,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from ..conversation import Participant, Policy
+from ..conversation import Participant, Policy  # noqa: F401  (the types of Task.lineup)
 from ..trajectory import Message
 
 
@@ -72,11 +72,13 @@ class TaskSource(ABC):
         name: shown in metrics and in the default output folder `runs/<name>-<time>`.
         trained_seats: the policy seats that yield a trajectory each (self-play: all of them).
         frozen_seats: policy seats the trainer fills with a frozen copy of the initial weights.
+        reward_key: with a scheduler, the `rollout_infos` key that holds the environment reward.
     """
 
     name: str = "task"
     trained_seats: tuple[str, ...] = ("policy",)
     frozen_seats: tuple[str, ...] = ()
+    reward_key: str = "reward"
 
     @abstractmethod
     def rows(self, n: int, *, seed: int) -> list[Any]:
@@ -92,6 +94,17 @@ class TaskSource(ABC):
     def scheduler(self) -> Any | None:
         """A `MultiTurnScheduler` selects the scheduler path; its rows are message lists or dicts."""
         return None
+
+    def run(self, rollouter: Any, rows: list[Any], step: int) -> Any:
+        """This rank's `Rollout` of `rows` (collective): lineups, or the scheduler when there is one.
+
+        A source whose rows need another driver (an ms-swift scheduler) overrides this.
+        """
+        return rollouter.run(rows, step, self.scheduler(), reward_key=self.reward_key)
+
+    def evaluate(self, rollouter: Any, rows: list[Any], step: int) -> Any:
+        """Each held-out row played once with the trained policy in every policy seat (collective)."""
+        return rollouter.evaluate(rows, step)
 
     def describe(self) -> dict[str, Any]:
         """What `run.json` records of this source (its options)."""

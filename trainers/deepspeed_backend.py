@@ -1,4 +1,4 @@
-"""`DeepSpeedGRPOTrainer`: a `transformers` causal LM under DeepSpeed ZeRO stage 1, 2 or 3.
+"""`DeepSpeedBackend`: a `transformers` causal LM under DeepSpeed ZeRO stage 1, 2 or 3.
 
 Placement: every rank is a DP replica (ZeRO shards optimizer state, gradients and, at stage
 3, the parameters over the DP group). At stage 3 every forward gathers parameters across the
@@ -17,9 +17,6 @@ import torch
 from interlens_mcore.batch import TrainingBatch
 from interlens_mcore.engine import HFEngine
 from interlens_mcore.logprobs import token_logprobs
-from interlens_mcore.mixin import Rollout
-
-from .base import GRPOTrainer
 
 
 def deepspeed_config(
@@ -45,17 +42,30 @@ def deepspeed_config(
     }
 
 
-class DeepSpeedGRPOTrainer(GRPOTrainer):
-    """GRPO with an HF model wrapped by `deepspeed.initialize` from a JSON config dict."""
+class DeepSpeedBackend:
+    """An HF model wrapped by `deepspeed.initialize` from a JSON config dict.
 
-    def __init__(self, *, model_path: str | Path, ds_config: dict, **kwargs: Any):
+    `reference=True` keeps a frozen copy of the initial weights for the KL term.
+    """
+
+    layout = "padded"
+    pad_to_multiple = 1
+
+    def __init__(
+        self,
+        *,
+        model_path: str | Path,
+        ds_config: dict,
+        groups: Any,
+        tokenizer: Any,
+        temperature: float = 1.0,
+        reference: bool = False,
+    ):
         import deepspeed
         from transformers import AutoModelForCausalLM
 
-        super().__init__(**kwargs)
-        self._frozen_engine = None  # opponent="frozen": built on first use
-        if self.rollout_config.layout != "padded":
-            raise ValueError("DeepSpeedGRPOTrainer needs RolloutConfig.layout='padded' (HF attention masks)")
+        self.groups, self.tokenizer, self.temperature = groups, tokenizer, temperature or 1.0
+        self._frozen_engine = None  # a frozen opponent's: built on first use
         self.model_path = Path(model_path)
         self.zero_stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
         # a non-finite step is skipped by ZeRO's optimizers (see optimizer_step); without ZeRO,
@@ -67,19 +77,28 @@ class DeepSpeedGRPOTrainer(GRPOTrainer):
                 "ds_config bf16.check_grad_overflow must stay true at ZeRO stage 1 and 2: "
                 "it is what skips a non-finite step there"
             )
+        # DeepSpeed steps at its accumulation boundary: one backward per micro-batch must reach
+        # it exactly, or gradients would leak into the next rollout's step
         self.micro_batches = int(ds_config.get("gradient_accumulation_steps", 1))
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
-        self.reference = None
-        if self.loss_config.beta > 0:
-            self.reference = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
-            self.reference.eval().requires_grad_(False)
+        self.reference = self._initial_model() if reference else None
         self.ds, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=ds_config
         )
         self._skipped_seen = self.ds.skipped_steps
         # the lockstep flag is a CPU tensor: it rides the gloo vote group over the same ranks
-        sync = self.groups.vote if self.zero_stage == 3 else None
-        self.engine = HFEngine(self.ds.module, self.tokenizer, sync_group=sync)
+        sync = groups.vote if self.zero_stage == 3 else None
+        self.engine = HFEngine(self.ds.module, tokenizer, sync_group=sync)
+
+    @property
+    def has_reference(self) -> bool:
+        return self.reference is not None
+
+    def _initial_model(self) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        return model.eval().requires_grad_(False)
 
     def frozen_engine(self) -> HFEngine:
         """The initial weights (the KL reference when there is one), generating as "frozen".
@@ -87,38 +106,24 @@ class DeepSpeedGRPOTrainer(GRPOTrainer):
         A whole model on every rank, outside ZeRO: its forwards are not collective.
         """
         if self._frozen_engine is None:
-            model = self.reference
-            if model is None:
-                from transformers import AutoModelForCausalLM
-
-                model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
-                model.eval().requires_grad_(False)
+            model = self.reference if self.reference is not None else self._initial_model()
             self._frozen_engine = HFEngine(model, self.tokenizer, name="frozen")
         return self._frozen_engine
 
-    def training_batches(self, rollout: Rollout) -> list[TrainingBatch | None]:
-        # DeepSpeed steps at its accumulation boundary: one backward per micro-batch must reach
-        # it exactly, or gradients would leak into the next rollout's step
-        batches = super().training_batches(rollout)
-        if len(batches) != self.micro_batches:
-            raise ValueError(
-                f"DeepSpeedGRPOTrainer: {len(batches)} micro-batches per step but the DeepSpeed config's "
-                f"gradient_accumulation_steps is {self.micro_batches}; set it to "
-                "ceil(trajectories per rank / RolloutConfig.micro_batch_size)"
-            )
-        return batches
+    def logprobs_of(self, batch: TrainingBatch, *, reference: bool = False) -> torch.Tensor:
+        """[N, T] logprobs of batch.targets: the trained model's with gradient, or the reference's."""
+        if reference:
+            with torch.no_grad():
+                return self._logprobs(self.reference, batch)
+        self.ds.train()
+        return self._logprobs(self.ds, batch)
 
-    def logprobs_of(self, model: torch.nn.Module, batch: TrainingBatch) -> torch.Tensor:
+    def _logprobs(self, model: torch.nn.Module, batch: TrainingBatch) -> torch.Tensor:
         attention = (batch.sample_ids >= 0).long()  # [N, T] right padding
         logits = model(
             input_ids=batch.input_ids, attention_mask=attention, position_ids=batch.position_ids
         ).logits
-        t = self.rollout_config.temperature or 1.0
-        return token_logprobs(logits, batch.targets, temperature=t)  # [N, T]
-
-    def policy_logprobs(self, batch: TrainingBatch) -> torch.Tensor:
-        self.ds.train()
-        return self.logprobs_of(self.ds, batch)
+        return token_logprobs(logits, batch.targets, temperature=self.temperature)  # [N, T]
 
     def backward(self, loss: torch.Tensor) -> None:
         # DeepSpeed averages over DP ranks and divides by the accumulation steps; the loss is
@@ -137,10 +142,10 @@ class DeepSpeedGRPOTrainer(GRPOTrainer):
         norm = self.ds.get_global_grad_norm()
         return float(norm) if norm is not None else 0.0
 
-    def save_state(self, folder: Path) -> None:
+    def save(self, folder: Path) -> None:
         self.ds.save_checkpoint(str(folder), tag="deepspeed")
 
-    def load_state(self, folder: Path) -> None:
+    def load(self, folder: Path) -> None:
         path, _ = self.ds.load_checkpoint(str(folder), tag="deepspeed")
         if path is None:
             raise ValueError(f"checkpoint {folder} holds no DeepSpeed state")

@@ -1,0 +1,159 @@
+"""`SwiftTaskSource`: dataset rows and an ms-swift scheduler, for the trainer.
+
+Rows are dicts (dataset rows): `messages` opens the conversation, every other field reaches
+the scheduler as `infer_request.data_dict` (`solution`, `env_config`, ...). A row without
+`messages` needs a scheduler whose `on_trajectory_start` writes them (a gym scheduler's
+reset does). The reward is `rollout_infos[reward_key]`: `reward` by default, `total_reward`
+for gym schedulers.
+
+    task = SwiftTaskSource.from_spec("my_plugin:MathTips", plugins=["my_plugin.py"],
+                                     dataset=rows, max_turns=3)
+    trajectories = task.rollout(rows, num_generations=8, engine=engine, tokenizer=tokenizer,
+                                sampling=sampling, seed=step_seed, gather_fn=gather_fn, rank=rank)
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, get_args
+
+from ... import SamplingParams, Trajectory
+from ...rollout import Rollout
+from ...sampling import mix_seed
+from ...tasks.base import TaskSource
+from ...vote import GatherFn, local_gather
+from .driver import rollout_trajectories
+from .plugins import build_scheduler, load_plugins, resolve_scheduler
+from .scheduler import MultiTurnScheduler
+from .types import TrainTurns
+
+_EVAL_SALT = 0x6576616C  # evaluation seeds never repeat a training step's
+
+
+class SwiftTaskSource(TaskSource):
+    """A step's rows drawn from `dataset` by seed; one ms-swift scheduler plays them all."""
+
+    name = "swift"
+
+    def __init__(
+        self,
+        scheduler: MultiTurnScheduler,
+        dataset: Sequence[dict[str, Any]],
+        *,
+        eval_dataset: Sequence[dict[str, Any]] = (),
+        reward_key: str = "reward",
+        max_turns: int | None = None,
+        train_turns: TrainTurns = "all",
+        name: str | None = None,
+    ):
+        if not isinstance(scheduler, MultiTurnScheduler):
+            raise ValueError(f"SwiftTaskSource needs a compat.swift.MultiTurnScheduler, got {scheduler!r}")
+        for label, rows in (("dataset", dataset), ("eval_dataset", eval_dataset)):
+            bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict)), None)
+            if bad is not None:
+                raise ValueError(f"SwiftTaskSource {label}[{bad}] must be a dict row, got {rows[bad]!r}")
+        if not dataset:
+            raise ValueError("SwiftTaskSource needs a non-empty dataset")
+        if train_turns not in get_args(TrainTurns):
+            raise ValueError(f"train_turns must be one of {get_args(TrainTurns)}, got {train_turns!r}")
+        self._scheduler, self.dataset, self.eval_dataset = scheduler, list(dataset), list(eval_dataset)
+        self.reward_key, self.max_turns, self.train_turns = reward_key, max_turns, train_turns
+        self.name = name or self.name
+
+    @classmethod
+    def from_spec(
+        cls,
+        spec: str,
+        *,
+        dataset: Sequence[dict[str, Any]],
+        plugins: Sequence[str | Path] = (),
+        max_turns: int | None = None,
+        scheduler_kwargs: dict[str, Any] | None = None,
+        **options: Any,
+    ) -> SwiftTaskSource:
+        """`--external-plugins FILE.py ... --multi-turn-scheduler MODULE:CLASS` (or a registered name)."""
+        load_plugins(plugins)
+        scheduler = build_scheduler(resolve_scheduler(spec), max_turns=max_turns, **(scheduler_kwargs or {}))
+        return cls(scheduler, dataset, max_turns=max_turns, **options)
+
+    def rows(self, n: int, *, seed: int) -> list[dict[str, Any]]:
+        """`n` rows, without repeats while the dataset has enough, a pure function of `seed`."""
+        rng = random.Random(seed)
+        size = len(self.dataset)
+        picks = rng.sample(range(size), n) if n <= size else [rng.randrange(size) for _ in range(n)]
+        return [copy.deepcopy(self.dataset[i]) for i in picks]
+
+    def eval_rows(self, n: int, *, seed: int) -> list[dict[str, Any]]:
+        """The first `n` held-out rows (the same every evaluation)."""
+        return [copy.deepcopy(r) for r in self.eval_dataset[:n]]
+
+    def scheduler(self) -> MultiTurnScheduler:
+        return self._scheduler
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "scheduler": type(self._scheduler).__name__,
+            "reward_key": self.reward_key,
+            "max_turns": self.max_turns,
+            "train_turns": self.train_turns,
+            "rows": len(self.dataset),
+            "eval_rows": len(self.eval_dataset),
+        }
+
+    def run(self, rollouter: Any, rows: list[dict[str, Any]], step: int) -> Rollout:
+        """The trainer's rollout of `rows` through this scheduler (collective); see `rollout`."""
+        cfg = rollouter.config
+        return self._as_rollout(rollouter, rows, step, cfg.num_generations)
+
+    def evaluate(self, rollouter: Any, rows: list[dict[str, Any]], step: int) -> Rollout:
+        return self._as_rollout(rollouter, rows, step, 1, salt=_EVAL_SALT)
+
+    def _as_rollout(self, rollouter: Any, rows: list, step: int, n: int, salt: int = 0) -> Rollout:
+        cfg = rollouter.config
+        trajectories = self.rollout(
+            rows,
+            num_generations=n,
+            engine=rollouter.engine,
+            tokenizer=rollouter.tokenizer,
+            sampling=cfg.sampling,
+            seed=mix_seed(cfg.seed, step, salt),
+            gather_fn=rollouter.groups.gather_fn(),
+            # request indices and seeds must be unique across every rank of the world
+            rank=rollouter.groups.rank,
+            step_timeout_s=cfg.step_timeout_s,
+        )
+        return Rollout(trajectories=trajectories, rows=[rows[t.group] for t in trajectories])
+
+    def rollout(
+        self,
+        rows: Sequence[dict[str, Any]],
+        *,
+        num_generations: int,
+        engine: Any,
+        tokenizer: Any,
+        sampling: SamplingParams,
+        seed: int,
+        gather_fn: GatherFn = local_gather,
+        rank: int = 0,
+        step_timeout_s: float | None = None,
+    ) -> list[Trajectory]:
+        """This rank's trajectories for `rows` (collective), `infos["env_reward"]` from `reward_key`."""
+        return rollout_trajectories(
+            self._scheduler,
+            rows,
+            num_generations=num_generations,
+            engine=engine,
+            tokenizer=tokenizer,
+            sampling=sampling,
+            seed=seed,
+            gather_fn=gather_fn,
+            rank=rank,
+            step_timeout_s=step_timeout_s,
+            reward_key=self.reward_key,
+            max_turns=self.max_turns,
+            train_turns=self.train_turns,
+        )

@@ -1,0 +1,124 @@
+"""The objects an ms-swift scheduler reads and writes, with ms-swift's field names.
+
+A scheduler sees a `RolloutInferRequest` (`messages`, `data_dict`, `uuid`) and a
+`ChatCompletionResponseChoice` (`message.content`, `token_ids`, `logprobs` with
+`content[i]['logprob']`, `finish_reason`). It mutates `infer_request.messages` and returns the
+request; the compat driver turns what changed into token ids (see transcript.py).
+`SwiftOutput` is what a finished request produced, with ms-swift's output field names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ... import ResponseChoice, Status, Trajectory
+from ... import RolloutOutput as NativeOutput
+
+Message = dict[str, Any]  # {"role": ..., "content": str | None, ...}
+TrainTurns = Literal["all", "last_round"]  # ms-swift's loss_scale: every assistant round, or the last
+
+
+@dataclass(kw_only=True)
+class RolloutInferRequest:
+    """One conversation as an ms-swift scheduler sees it; schedulers mutate `messages`."""
+
+    messages: list[Message]
+    data_dict: dict[str, Any] = field(default_factory=dict)  # the row's other fields (solution, env_config)
+    uuid: str = ""  # stable per request within a rollout; gym schedulers key environments by it
+
+
+@dataclass(kw_only=True)
+class ChatMessage:
+    role: str
+    content: str
+    tool_calls: list[dict[str, Any]] | None = None  # tool calls stay in `content`, as the model wrote them
+
+
+@dataclass(kw_only=True)
+class ChatCompletionResponseChoice:
+    """What the engine answered to one request, shaped like ms-swift's choice."""
+
+    index: int
+    message: ChatMessage
+    finish_reason: str  # "stop" | "length"
+    token_ids: list[int]  # sampled ids, verbatim
+    logprobs: dict[str, list[dict[str, Any]]] | None  # {"content": [{"token", "logprob"}, ...]}
+
+    @classmethod
+    def from_native(cls, choice: ResponseChoice, tokenizer: Any) -> ChatCompletionResponseChoice:
+        logprobs = None
+        if choice.logprobs is not None:
+            tokens = tokenizer.convert_ids_to_tokens(list(choice.token_ids))
+            content = [{"token": t, "logprob": lp} for t, lp in zip(tokens, choice.logprobs, strict=True)]
+            logprobs = {"content": content}
+        return cls(
+            index=0,
+            message=ChatMessage(role="assistant", content=choice.text),
+            finish_reason=choice.finish_reason,
+            token_ids=list(choice.token_ids),
+            logprobs=logprobs,
+        )
+
+
+def choice_logprobs(choice: ChatCompletionResponseChoice) -> list[float]:
+    """The engine's logprobs of a choice as floats; [] when it has none (ms-swift's helper)."""
+    if choice.logprobs is None or "content" not in choice.logprobs:
+        return []
+    return [float(item["logprob"]) for item in choice.logprobs["content"]]
+
+
+@dataclass(kw_only=True)
+class SwiftOutput:
+    """One finished request, with ms-swift's names over the native record.
+
+    Unlike ms-swift's, each turn's `response_token_ids` starts with the ids that came before
+    the turn's reply (closing template ids, appended messages, the assistant opener; loss mask
+    0), so `prompt_ids` + the turns concatenated is exactly the sequence the engine saw.
+    """
+
+    request: RolloutInferRequest  # the last request: its messages end with the final reply
+    prompt_ids: list[int]
+    response_token_ids: list[list[int]]
+    response_loss_mask: list[list[int]]
+    rollout_logprobs: list[list[float] | None]  # one per mask-1 token of each turn
+    rollout_infos: dict[str, Any]
+    status: Status
+    native: NativeOutput  # the native driver's record this output reads from
+
+    @property
+    def messages(self) -> list[Message]:
+        return self.request.messages
+
+    @property
+    def num_turns(self) -> int:
+        return int(self.rollout_infos.get("num_turns", 0))
+
+    def to_trajectory(self, *, group: int = 0, reward_key: str | None = None) -> Trajectory:
+        """The trajectory; `infos["env_reward"]` is `rollout_infos[reward_key]` when it is set."""
+        traj = self.native.to_trajectory(group=group)
+        traj.infos["uuid"] = self.request.uuid
+        traj.infos["messages"] = [dict(m) for m in self.request.messages]
+        traj.infos["completion"] = next(
+            (
+                str(m.get("content") or "")
+                for m in reversed(self.request.messages)
+                if m.get("role") == "assistant"
+            ),
+            "",
+        )
+        if reward_key is not None and reward_key in self.rollout_infos:
+            traj.infos["env_reward"] = _reward(self.rollout_infos[reward_key], reward_key, self.request)
+        return traj
+
+
+def _reward(value: Any, key: str, request: RolloutInferRequest) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"request {request.uuid}: rollout_infos[{key!r}] is {value!r}; expected a number (the reward)"
+        ) from None
+
+
+RolloutOutput = SwiftOutput  # ms-swift's name, for type hints in ported scheduler files

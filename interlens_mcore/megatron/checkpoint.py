@@ -1,0 +1,351 @@
+"""Sharded checkpoints of a GPTModel and its optimizer that reshard: save at one TP, load at another.
+
+Storage is torch.distributed.checkpoint (DCP): each tensor is saved once under its megatron
+name with its full (TP=1) shape, and every rank writes only its own block of it. Loading reads,
+for each rank, the parts of the saved blocks that overlap its own block, whatever TP size
+wrote them. How each parameter is split over TP comes from the same table as the HF
+conversion (`convert.param_map`), so one description serves both:
+
+- "rows" / "cols": the block is this rank's slice along dim 0 / dim 1;
+- "glu_rows" (SwiGLU linear_fc1, rank r holds [gate_r; up_r]): viewed as [2, F / tp, h], the
+  block of a [2, F, h] tensor, so gate and up each keep their own TP split;
+- vocabulary rows are stored at the true vocabulary size: the zero rows that pad it to a
+  multiple of TP are not saved and are zeroed on load, so TP=2's padded 516 rows and TP=1's
+  515 describe the same stored tensor;
+- "replicated" (norms): a plain tensor, written once.
+
+Optimizer state of a torch optimizer (AdamW on the CPU path: per-parameter tensors shaped
+like the parameter, plus scalars like `step`) is stored under `optimizer.<state>.<parameter
+name>` with the parameter's split, so it reshards the same way; the hyperparameters of its
+parameter groups are stored as an object. A megatron optimizer (the GPU path: fp32 main
+weights and moments, sharded over DP by the distributed optimizer) is stored by megatron's
+own `dist_checkpointing` under `optimizer/`, built against the model's `sharded_state_dict`.
+
+The model does not go through megatron-core's `dist_checkpointing.save` (torch_dist
+strategy): in 0.16 its writer calls `torch.cuda.synchronize()` and starts a multiprocessing
+manager, so it cannot run on CPU ranks. The files are DCP's own format; `saved_tensors` lists
+what a folder holds.
+
+Layout of a checkpoint folder::
+
+    megatron.json    format, model family and shapes, the TP size that wrote it
+    weights/         DCP files (.metadata, __<rank>_<n>.distcp): the model, a torch optimizer
+    optimizer/       a megatron optimizer's state (GPU path only)
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import parallel
+from .convert import MEGATRON_MARKER, ParamRule, _checked_rules, _join
+from .model import ModelLayout
+
+FORMAT = "interlens_mcore.megatron.checkpoint/1"
+MARKER, WEIGHTS = MEGATRON_MARKER, "weights"
+OPTIMIZER = "optimizer"
+
+
+def is_megatron_checkpoint(path: str | Path) -> bool:
+    """True when `path` is a folder written by `save` (it holds megatron.json and weights/)."""
+    path = Path(path)
+    return (path / MARKER).is_file() and (path / WEIGHTS).is_dir()
+
+
+def read_marker(path: str | Path) -> dict:
+    """The folder's megatron.json; ValueError naming the folder if it is not a checkpoint."""
+    path = Path(path)
+    if not is_megatron_checkpoint(path):
+        raise ValueError(f"{path} is not a sharded megatron checkpoint (no {MARKER} and {WEIGHTS}/)")
+    marker = json.loads((path / MARKER).read_text())
+    if marker.get("format") != FORMAT:
+        raise ValueError(f"{path / MARKER}: format {marker.get('format')!r}, expected {FORMAT!r}")
+    return marker
+
+
+# ---- blocks: where this rank's tensor sits in the full one ----
+
+
+def _block(rule: ParamRule, layout: ModelLayout, tensor: torch.Tensor) -> parallel.Block | None:
+    """This rank's block of `tensor` (a parameter or a state shaped like it); None if replicated."""
+    tp, r = layout.tp_size, parallel.rank(parallel.megatron_tp_group())
+    if rule.split == "replicated":
+        return None
+    shape = tuple(tensor.shape)
+    if rule.fuse == "vocab":  # true vocabulary rows only: padding is not part of the model
+        per = layout.vocab_per_rank
+        rows = [max(0, min(per, layout.vocab_size - i * per)) for i in range(tp)]
+        assert min(rows) > 0, "every TP rank holds at least one real vocabulary row"
+        rest = shape[1:]
+        zeros = (0,) * len(rest)
+        return parallel.Block(
+            local=tensor[: rows[r]],
+            global_shape=(layout.vocab_size, *rest),
+            offsets=tuple((i * per, *zeros) for i in range(tp)),
+            shapes=tuple((n, *rest) for n in rows),
+        )
+    if rule.split == "glu_rows":  # [gate_r; up_r] is the block (:, r) of [2, F, h]
+        local = tensor.view(2, shape[0] // 2, *shape[1:])
+        dim = 1
+    else:
+        local, dim = tensor, (0 if rule.split == "rows" else 1)
+    lshape = tuple(local.shape)
+    gshape = tuple(n * tp if d == dim else n for d, n in enumerate(lshape))
+    offsets = tuple(tuple(i * lshape[d] if d == dim else 0 for d in range(len(lshape))) for i in range(tp))
+    return parallel.Block(local=local, global_shape=gshape, offsets=offsets, shapes=(lshape,) * tp)
+
+
+# Transformer Engine's spec fuses the two norms into the linears that follow them; checkpoints
+# store them under the local spec's names, so a TE model and a local one read each other's
+_TE_NORMS = {
+    ".self_attention.linear_qkv.layer_norm_weight": ".input_layernorm.weight",
+    ".mlp.linear_fc1.layer_norm_weight": ".pre_mlp_layernorm.weight",
+}
+
+
+def storage_key(name: str) -> str:
+    """The key a parameter is stored under: its name in megatron's local spec."""
+    for te, local in _TE_NORMS.items():
+        if name.endswith(te):
+            return name[: -len(te)] + local
+    return name
+
+
+def _entries(
+    model: torch.nn.Module, layout: ModelLayout, optimizer: torch.optim.Optimizer | None
+) -> tuple[dict[str, parallel.Block], dict[str, torch.Tensor], dict[str, ParamRule]]:
+    """(blocks, plain tensors, rule by key) of the model and the optimizer's current state."""
+    rules, params = _checked_rules(model, layout)
+    blocks, plain, by_key = {}, {}, {}
+
+    def add(key: str, rule: ParamRule, tensor: torch.Tensor) -> None:
+        by_key[key] = rule
+        block = _block(rule, layout, tensor) if tensor.dim() > 0 else None
+        if block is None:
+            plain[key] = tensor
+        else:
+            blocks[key] = block
+
+    for rule in rules:
+        param, key = params[rule.megatron], storage_key(rule.megatron)
+        add(key, rule, param.data)
+        if optimizer is not None:
+            for state_key, value in optimizer.state.get(param, {}).items():
+                if isinstance(value, torch.Tensor):
+                    add(f"{OPTIMIZER}.{state_key}.{key}", rule, value)
+    return blocks, plain, by_key
+
+
+def _groups_hyperparameters(optimizer: torch.optim.Optimizer) -> bytes:
+    # pickled: DCP would flatten a list of dicts into one entry per value (and tuples into lists)
+    return pickle.dumps([{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups])
+
+
+# ---- save / load ----
+
+
+def _split(optimizer: Any) -> tuple[torch.optim.Optimizer | None, Any]:
+    """(a torch optimizer, a megatron one): at most one is not None."""
+    if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer, None
+    from megatron.core.optimizer import MegatronOptimizer
+
+    if not isinstance(optimizer, MegatronOptimizer):
+        raise ValueError(
+            f"optimizer must be a torch optimizer or a MegatronOptimizer, got {type(optimizer).__name__}"
+        )
+    return None, optimizer
+
+
+def save(
+    folder: str | Path,
+    model: torch.nn.Module,
+    layout: ModelLayout,
+    optimizer: Any = None,
+) -> Path:
+    """Write the bare GPTModel (and the optimizer's state) under `folder`; collective over the world.
+
+    `optimizer`: a torch optimizer over `model.parameters()` (CPU path) or a MegatronOptimizer
+    (GPU path), or None.
+
+    Every DP replica takes part; each block is written once. Returns `folder`.
+    """
+    folder = Path(folder)
+    torch_optimizer, megatron_optimizer = _split(optimizer)
+    blocks, plain, _ = _entries(model, layout, torch_optimizer)
+    objects: dict = {}
+    if torch_optimizer is not None:
+        objects[f"{OPTIMIZER}.param_groups"] = _groups_hyperparameters(torch_optimizer)
+    if parallel.rank() == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+    parallel.barrier()
+    parallel.save_sharded(folder / WEIGHTS, blocks, {**plain, **objects}, parallel.megatron_tp_group())
+    if parallel.rank() == 0:
+        marker = {
+            "format": FORMAT,
+            "family": layout.family,
+            "num_layers": layout.num_layers,
+            "hidden_size": layout.hidden_size,
+            "vocab_size": layout.vocab_size,
+            "saved_tp_size": layout.tp_size,
+            "dtype": str(model.embedding.word_embeddings.weight.dtype).removeprefix("torch."),
+            "optimizer": None if optimizer is None else ("megatron" if megatron_optimizer else "torch"),
+        }
+        (folder / MARKER).write_text(json.dumps(marker, indent=1, sort_keys=True))
+    if megatron_optimizer is not None:
+        _save_megatron_optimizer(folder, model, megatron_optimizer)
+    parallel.barrier()
+    return folder
+
+
+# ---- megatron's optimizers (GPU path): megatron's own sharded state, through dist_checkpointing ----
+
+
+def _save_megatron_optimizer(folder: Path, model: torch.nn.Module, optimizer) -> None:
+    """A MegatronOptimizer's state (fp32 main weights, Adam moments; sharded over DP by the
+    distributed optimizer) in megatron's dist_checkpointing format under `folder/optimizer/`.
+
+    Its sharded state dict is built against the model's own `sharded_state_dict`, which
+    megatron reshards across TP and DP on load. CUDA only (megatron's writer synchronises
+    the device); the GPU check exercises it.
+    """
+    from megatron.core import dist_checkpointing
+
+    target = folder / OPTIMIZER
+    if parallel.rank() == 0:
+        target.mkdir(parents=True, exist_ok=True)
+    parallel.barrier()
+    dist_checkpointing.save(optimizer.sharded_state_dict(model.sharded_state_dict()), str(target))
+
+
+def _load_megatron_optimizer(folder: Path, model: torch.nn.Module, optimizer) -> None:
+    from megatron.core import dist_checkpointing
+
+    target = folder / OPTIMIZER
+    if not target.is_dir():
+        raise ValueError(f"checkpoint {folder} holds no megatron optimizer state (no {OPTIMIZER}/)")
+    request = optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=True)
+    optimizer.load_state_dict(dist_checkpointing.load(request, str(target)))
+
+
+def saved_tensors(folder: str | Path) -> dict[str, tuple[int, ...] | None]:
+    """Full shape of every tensor in the checkpoint at `folder` (None: a stored object)."""
+    read_marker(folder)
+    return parallel.saved_shapes(Path(folder) / WEIGHTS)
+
+
+@torch.no_grad()
+def load(
+    folder: str | Path,
+    model: torch.nn.Module,
+    layout: ModelLayout,
+    optimizer: Any = None,
+) -> None:
+    """Fill the bare GPTModel (and the optimizer) from a checkpoint written at any TP; collective.
+
+    The optimizer must be built over `model.parameters()`; its state is replaced by the saved
+    one (the hyperparameters of its groups too). ValueError, naming the tensor, when the
+    checkpoint holds another model or lacks the optimizer.
+    """
+    folder = Path(folder)
+    saved = saved_tensors(folder)
+    _, params = _checked_rules(model, layout)
+    optimizer, megatron_optimizer = _split(optimizer)
+    if optimizer is not None:
+        _prepare_state(optimizer, params, saved, folder)
+    blocks, plain, _ = _entries(model, layout, optimizer)
+    expected = {k: b.global_shape for k, b in blocks.items()} | {k: tuple(t.shape) for k, t in plain.items()}
+    for key, shape in expected.items():
+        if key not in saved:
+            raise ValueError(f"checkpoint {folder} has no tensor {key!r} (another model or layout?)")
+        if saved[key] != shape:
+            raise ValueError(
+                f"checkpoint {folder}: tensor {key!r} has shape {saved[key]}, this model expects {shape}"
+            )
+    objects = {f"{OPTIMIZER}.param_groups": None} if optimizer is not None else {}
+    loaded = parallel.load_sharded(
+        folder / WEIGHTS, blocks, {**plain, **objects}, parallel.megatron_tp_group()
+    )
+    _zero_vocab_padding(model, layout)
+    if optimizer is not None:
+        hyperparameters = pickle.loads(loaded[f"{OPTIMIZER}.param_groups"])
+        for group, hyper in zip(optimizer.param_groups, hyperparameters, strict=True):
+            group.update(hyper)
+    if megatron_optimizer is not None:
+        # after the model: megatron's optimizer copies its fp32 main weights from the state
+        _load_megatron_optimizer(folder, model, megatron_optimizer)
+
+
+def _prepare_state(optimizer: torch.optim.Optimizer, params: dict, saved: dict, folder: Path) -> None:
+    """Give every parameter the state tensors the checkpoint holds, so DCP can load into them."""
+    prefix = f"{OPTIMIZER}."
+    names = {id(p): storage_key(n) for n, p in params.items()}
+    if f"{prefix}param_groups" not in saved:
+        raise ValueError(f"checkpoint {folder} holds no optimizer state (saved without an optimizer)")
+    state_keys = sorted(
+        {k[len(prefix) :].split(".", 1)[0] for k in saved if k.startswith(prefix)} - {"param_groups"}
+    )
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ValueError("the optimizer holds a tensor that is not a parameter of the model")
+            name = names[id(p)]
+            state = {}
+            for key in state_keys:
+                shape = saved.get(f"{prefix}{key}.{name}")
+                if shape is None:
+                    continue
+                # scalars (AdamW's step) are float32 on the CPU, as torch's optimizers keep them
+                state[key] = torch.zeros((), dtype=torch.float32) if shape == () else torch.zeros_like(p)
+            optimizer.state[p] = state
+
+
+def _zero_vocab_padding(model: torch.nn.Module, layout: ModelLayout) -> None:
+    # rows past the true vocabulary are not stored; they stay zero, as the HF import makes them
+    start = parallel.rank(parallel.megatron_tp_group()) * layout.vocab_per_rank
+    real = max(0, min(layout.vocab_per_rank, layout.vocab_size - start))
+    if real == layout.vocab_per_rank:
+        return
+    params = dict(model.named_parameters())
+    for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        if name in params:
+            params[name].data[real:] = 0
+
+
+# ---- full tensors, for checks ----
+
+
+@torch.no_grad()
+def full_tensors(
+    model: torch.nn.Module, layout: ModelLayout, optimizer: torch.optim.Optimizer | None = None
+) -> dict[str, torch.Tensor]:
+    """Every stored tensor joined into its TP=1 layout (vocabulary padding cut); collective over TP.
+
+    Two runs at different TP sizes hold the same model exactly when these dicts are equal.
+    """
+    blocks, plain, by_key = _entries(model, layout, optimizer)
+    group = parallel.megatron_tp_group()
+    out = {k: t.detach().clone() for k, t in plain.items()}
+    for key, block in blocks.items():
+        rule = by_key[key]
+        local = _unview(block.local) if rule.split == "glu_rows" else block.local
+        full = _join(rule, parallel.all_gather_tensor(_padded(local, rule, layout), group))
+        out[key] = full[: layout.vocab_size] if rule.fuse == "vocab" else full
+    return out
+
+
+def _unview(local: torch.Tensor) -> torch.Tensor:
+    return local.reshape(-1, *local.shape[2:])  # [2, F / tp, h] -> [2F / tp, h]
+
+
+def _padded(local: torch.Tensor, rule: ParamRule, layout: ModelLayout) -> torch.Tensor:
+    # all_gather needs equal shapes: the last vocabulary block is padded back to vocab_per_rank
+    if rule.fuse != "vocab" or local.shape[0] == layout.vocab_per_rank:
+        return local
+    pad = local.new_zeros((layout.vocab_per_rank - local.shape[0], *local.shape[1:]))
+    return torch.cat([local, pad])

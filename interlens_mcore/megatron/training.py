@@ -1,0 +1,256 @@
+"""What a GPTModel trains with: the DP wrapper, the optimizer and one step, on GPU or on CPU.
+
+One seam, two paths, chosen by `choose_path`:
+
+- "megatron" (CUDA): megatron-core's `DistributedDataParallel` (gradients reduced in fp32 in
+  its contiguous buffers, optional overlap of the reduce with backward) and
+  `get_megatron_optimizer` (Adam with decoupled weight decay, bf16 parameters with fp32 main
+  weights and gradients, the distributed optimizer sharding those over DP, gradient clipping).
+  A constant loss scale of 1 turns on megatron's own check for inf / NaN gradients, which
+  skips the update on every rank together; bf16 needs no real scaling.
+- "torch" (CPU, where megatron's DDP and optimizers need CUDA): torch DDP over the DP group
+  and a torch AdamW, with the same clipping and the same skip of a non-finite step.
+
+Both average gradients over DP, so the caller's loss (already divided by global token counts)
+is multiplied by the DP size in `backward`. Example::
+
+    training = build_training(model, TrainingOptions(lr=1e-5), groups)
+    loss = grpo_loss(forward_logits(training.train_model, ...))
+    training.backward(loss)
+    grad_norm = training.step()  # NaN or inf: the update was skipped everywhere
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from .. import parallel
+
+TrainingPath = Literal["megatron", "torch"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingOptions:
+    """Optimizer and gradient-reduction settings (the ones a GRPO run sets)."""
+
+    lr: float
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0  # max global 2-norm of the gradient
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    bf16: bool = True  # megatron path: bf16 parameters, fp32 main weights (CPU trains in fp32)
+    distributed_optimizer: bool = True  # megatron path: main weights and Adam state sharded over DP
+    overlap_grad_reduce: bool = False  # megatron path: reduce buckets while backward runs
+    overlap_param_gather: bool = False  # megatron path: gather updated weights in the next forward
+    sequence_parallel: bool = False  # megatron path with TP > 1; token counts must divide by TP
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"TrainingOptions.lr must be > 0, got {self.lr}")
+        if not self.grad_clip > 0:
+            raise ValueError(f"TrainingOptions.grad_clip must be > 0, got {self.grad_clip}")
+        if self.overlap_param_gather and not self.distributed_optimizer:
+            raise ValueError("TrainingOptions.overlap_param_gather needs distributed_optimizer=True")
+        if self.overlap_param_gather:
+            # the colocated engine generates right after the step, through the bare model,
+            # outside the DDP forward hooks that would finish the gather
+            raise ValueError(
+                "TrainingOptions.overlap_param_gather is not supported with a colocated engine "
+                "(the engine needs the updated weights gathered before it generates)"
+            )
+
+
+def choose_path(cuda: bool | None = None) -> TrainingPath:
+    """ "megatron" where CUDA is available, else "torch"."""
+    if cuda is None:
+        cuda = torch.cuda.is_available()
+    return "megatron" if cuda else "torch"
+
+
+def model_overrides(options: TrainingOptions, *, path: TrainingPath, tp_size: int) -> dict:
+    """TransformerConfig overrides (for `build_model(**overrides)`) of the training path."""
+    if path == "torch":
+        return {}
+    dtype = torch.bfloat16 if options.bf16 else torch.float32
+    return {
+        "bf16": options.bf16,
+        "params_dtype": dtype,
+        "sequence_parallel": options.sequence_parallel and tp_size > 1,
+    }
+
+
+def ddp_config(options: TrainingOptions):
+    """megatron's DistributedDataParallelConfig of `options`."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,  # bf16 sums of many ranks lose the small updates
+        overlap_grad_reduce=options.overlap_grad_reduce,
+        overlap_param_gather=options.overlap_param_gather,
+        use_distributed_optimizer=options.distributed_optimizer,
+        # a non-finite gradient is a skipped step (counted), not an exception
+        check_for_nan_in_grad=False,
+    )
+
+
+def optimizer_config(options: TrainingOptions):
+    """megatron's OptimizerConfig of `options`: Adam(W), bf16 with fp32 main weights, clipping."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(
+        optimizer="adam",
+        lr=options.lr,
+        weight_decay=options.weight_decay,
+        decoupled_weight_decay=True,  # AdamW, as the CPU path
+        adam_beta1=options.adam_betas[0],
+        adam_beta2=options.adam_betas[1],
+        adam_eps=options.adam_eps,
+        bf16=options.bf16,
+        params_dtype=torch.bfloat16 if options.bf16 else torch.float32,
+        main_params_dtype=torch.float32,
+        main_grads_dtype=torch.float32,
+        use_distributed_optimizer=options.distributed_optimizer,
+        overlap_param_gather=options.overlap_param_gather,
+        clip_grad=options.grad_clip,
+        # a constant scale of 1 changes no number but turns on the inf / NaN check and skip
+        loss_scale=1.0,
+    )
+
+
+@dataclass
+class Training:
+    """The model as trained: `train_model` for forwards with gradient, `model` for the engine."""
+
+    path: TrainingPath
+    model: torch.nn.Module  # the bare GPTModel (weights shared with the engine)
+    train_model: torch.nn.Module  # the DP wrapper (or `model` when DP is 1 on CPU)
+    optimizer: Any  # torch.optim.AdamW ("torch") or a MegatronOptimizer ("megatron")
+    dp_size: int
+    tp_group: Any = None
+    tp_shards: frozenset[int] = frozenset()  # ids of TP-sliced parameters ("torch" path)
+    grad_clip: float = 1.0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # DDP averages over DP, but the loss is already divided by global counts
+        loss = loss * self.dp_size
+        if self.path == "megatron":
+            scale = self.optimizer.get_loss_scale()  # a CUDA tensor; the loss may come from the CPU
+            loss = loss.to(scale.device) * scale
+        loss.backward()
+
+    def step(self) -> float:
+        """Clip, step, zero the gradients; the global gradient norm (NaN / inf: skipped)."""
+        if self.path == "megatron":
+            return self._megatron_step()
+        norm = float(self.grad_norm())
+        if math.isfinite(norm):
+            # as torch's clip_grad_norm_: scale only when over the limit, 1e-6 guards a zero norm
+            scale = min(1.0, self.grad_clip / (norm + 1e-6))
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+            self.optimizer.step()
+        # else every rank holds the same norm, so every rank skips: weights never diverge
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def _megatron_step(self) -> float:
+        from megatron.core.distributed import finalize_model_grads
+
+        # DP reduce of the grad buffers (waits for overlapped buckets), and the TP all-reduce
+        # of norm gradients that sequence parallelism leaves partial
+        finalize_model_grads([self.train_model])
+        applied, norm, _ = self.optimizer.step()
+        self.train_model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        return float(norm) if applied else math.nan
+
+    def grad_norm(self) -> torch.Tensor:
+        """The 2-norm of the whole model's gradient ("torch" path; collective over TP), float64.
+
+        DDP has already averaged over DP, so DP ranks agree. A TP slice's squares are summed
+        over the TP group; a replicated parameter (a norm weight) holds the same gradient on
+        every TP rank, so each rank adds 1/tp of its squares. The sum also carries a NaN or inf
+        from any one rank to all of them.
+        """
+        device = next(self.model.parameters()).device
+        shard = torch.zeros((), dtype=torch.float64, device=device)
+        copy = torch.zeros((), dtype=torch.float64, device=device)
+        for p in self.model.parameters():
+            if p.grad is None:
+                continue
+            sq = p.grad.detach().double().square().sum()
+            if id(p) in self.tp_shards:
+                shard += sq
+            else:
+                copy += sq
+        tp = parallel.world_size(self.tp_group)
+        return parallel.all_reduce(shard + copy / tp, "sum", self.tp_group).sqrt()
+
+
+def tp_sharded(model: torch.nn.Module) -> frozenset[int]:
+    """ids of the parameters that are one TP rank's slice, not a full copy.
+
+    megatron marks slices with `tensor_model_parallel` only when it initialises the weights
+    itself; with `build_model(init_weights=False)` the layer type decides (a row-parallel
+    bias is a full copy).
+    """
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+    out = set()
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            by_layer = isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)) or (
+                isinstance(module, RowParallelLinear) and name == "weight"
+            )
+            if by_layer or getattr(p, "tensor_model_parallel", False):
+                out.add(id(p))
+    return frozenset(out)
+
+
+def build_training(
+    model: torch.nn.Module,
+    options: TrainingOptions,
+    groups: parallel.ParallelGroups,
+    *,
+    path: TrainingPath | None = None,
+) -> Training:
+    """Wrap `model` (the bare GPTModel, already on its device) for training on `path`.
+
+    "megatron" needs the model built with `model_overrides(options, path="megatron", ...)`
+    and moved to the GPU.
+    """
+    path = path or choose_path()
+    if path == "megatron":
+        from megatron.core.distributed import DistributedDataParallel
+        from megatron.core.optimizer import get_megatron_optimizer
+
+        wrapped = DistributedDataParallel(config=model.config, ddp_config=ddp_config(options), module=model)
+        optimizer = get_megatron_optimizer(optimizer_config(options), [wrapped])
+        return Training(
+            path=path, model=model, train_model=wrapped, optimizer=optimizer, dp_size=groups.dp_size
+        )
+    wrapped = model
+    if groups.dp_size > 1:
+        wrapped = torch.nn.parallel.DistributedDataParallel(model, process_group=groups.dp)
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=options.lr,
+        weight_decay=options.weight_decay,
+        betas=options.adam_betas,
+        eps=options.adam_eps,
+    )
+    return Training(
+        path=path,
+        model=model,
+        train_model=wrapped,
+        optimizer=optimizer,
+        dp_size=groups.dp_size,
+        tp_group=groups.tp if groups.tp is not None else parallel.megatron_tp_group(),
+        tp_shards=tp_sharded(model),
+        grad_clip=options.grad_clip,
+    )

@@ -1,0 +1,41 @@
+"""Objects named on the command line as `MODULE:NAME`, MODULE importable or a path to a .py file."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def load_object(spec: str, *, what: str) -> Any:
+    """`MODULE:NAME` -> the object; ValueError naming `what` (the flag) and the problem otherwise."""
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{what} {spec!r}: expected MODULE:NAME (a module or a .py file, then a name in it)")
+    module = load_module(module_name, what=what)
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        public = sorted(n for n in vars(module) if not n.startswith("_"))
+        raise ValueError(
+            f"{what} {spec!r}: {module_name} has no {attr!r} (it has: {', '.join(public)})"
+        ) from None
+
+
+def load_module(name: str, *, what: str):
+    """An importable module, or a .py file by path (registered under its stem)."""
+    if name.endswith(".py") or "/" in name:
+        path = Path(name)
+        if not path.is_file():
+            raise ValueError(f"{what} {name!r}: no such file")
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[path.stem] = module
+        spec.loader.exec_module(module)
+        return module
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        raise ValueError(f"{what}: cannot import {name!r} ({exc}); is it on PYTHONPATH?") from None

@@ -1,0 +1,200 @@
+"""Prompt datasets: rows read with the `datasets` library, one policy reply each.
+
+`source("train.jsonl", prompt_column="prompt")` reads JSONL, JSON, parquet or CSV files
+(`datasets.load_dataset`) or a folder written by `Dataset.save_to_disk` (`load_from_disk`;
+a `DatasetDict` by its `split`). The prompt column holds a string (one user message) or a
+list of chat messages (`{"role": ..., "content": ...}` dicts, e.g. a system message first).
+
+A row is a `PromptRow`: its opening transcript and `columns`, every column of the dataset row
+(the prompt column too), which reward functions read as `rows[i].columns["answer"]`. The
+lineup is the policy and `PromptEnd`, which ends the conversation after the reply; it gives
+no reward of its own, so a dataset trains with reward functions (`--reward MODULE:FN`).
+
+Evaluation rows come from `eval_path`, or else a held-out `eval_fraction` of the rows (chosen
+by a fixed shuffle, at least one row, never a training row). `rows(n, seed)` draws training
+rows without repeats while `n` allows (a fresh permutation per seed).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..conversation import Conversation, Environment, Participant, Policy
+from ..trajectory import Message
+from .base import TaskSource
+from .split import derive_seed
+
+_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+@dataclass(eq=False)
+class PromptRow:
+    """One dataset row: its opening transcript and all of its columns."""
+
+    messages: list[Message]
+    columns: dict[str, Any] = field(default_factory=dict)
+    max_turns: int = 2  # the reply and PromptEnd's silent close
+
+    def prompt(self) -> list[Message]:
+        return list(self.messages)
+
+    def lineup(self, seat: Callable[[str], Policy]) -> list[Participant]:
+        return [seat("policy"), PromptEnd()]
+
+
+class PromptEnd(Environment):
+    """Ends the conversation after the policy's reply (silently; tools, if any, come first)."""
+
+    name, role = "prompt_end", "user"
+
+    def respond(self, conv: Conversation) -> None:
+        conv.request_stop("answered")
+        return None
+
+
+def load_rows(path: str, *, split: str = "train") -> Any:
+    """A `datasets.Dataset` from a file or a `save_to_disk` folder, or a ValueError naming `path`."""
+    import datasets
+
+    if os.path.isdir(path):
+        try:
+            data = datasets.load_from_disk(path)
+        except FileNotFoundError as exc:
+            raise ValueError(
+                f"dataset {path!r}: a folder, but not one written by save_to_disk ({exc})"
+            ) from exc
+        if isinstance(data, datasets.DatasetDict):
+            if split not in data:
+                raise ValueError(f"dataset {path!r} has splits {sorted(data)}, not {split!r}")
+            data = data[split]
+        return data
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in _BUILDERS:
+        raise ValueError(f"dataset {path!r}: expected a {', '.join(_BUILDERS)} file or a save_to_disk folder")
+    if not os.path.isfile(path):
+        raise ValueError(f"dataset {path!r}: no such file")
+    try:
+        return datasets.load_dataset(_BUILDERS[ext], data_files=path, split="train")
+    except Exception as exc:  # the builders raise their own error types for unreadable files
+        if "corresponds to no data" in str(exc):
+            raise ValueError(f"dataset {path!r} is empty") from exc
+        raise ValueError(f"dataset {path!r}: cannot read it as {ext} ({type(exc).__name__}: {exc})") from exc
+
+
+def prompt_messages(value: Any, *, where: str) -> list[Message]:
+    """A prompt cell as messages: a string is one user message; a list holds chat messages."""
+    if isinstance(value, str):
+        if not value.strip():
+            raise ValueError(f"{where}: the prompt is empty")
+        return [Message(speaker="user", content=value, role="user")]
+    if not isinstance(value, Sequence) or not value:
+        raise ValueError(
+            f"{where}: the prompt must be a string or a non-empty list of messages, got {value!r}"
+        )
+    out = []
+    for i, m in enumerate(value):
+        ok = isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        if not ok or not m["role"]:
+            raise ValueError(
+                f"{where}: message {i} must be a dict with string 'role' and 'content', got {m!r}"
+            )
+        out.append(Message(speaker=m["role"], content=m["content"], role=m["role"]))
+    return out
+
+
+class DatasetSource(TaskSource):
+    """Rows of a prompt dataset (see the module docstring)."""
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        prompt_column: str = "prompt",
+        eval_path: str | None = None,
+        eval_fraction: float = 0.05,
+        split: str = "train",
+    ):
+        if not 0.0 <= eval_fraction < 1.0:
+            raise ValueError(f"dataset: eval_fraction must lie in [0, 1), got {eval_fraction!r}")
+        self.path, self.prompt_column, self.eval_path = path, prompt_column, eval_path
+        self.eval_fraction, self.split = eval_fraction, split
+        self.name = f"dataset:{os.path.basename(os.path.normpath(path))}"
+        rows = self._read(path)
+        if eval_path is not None:
+            self._train, self._eval = rows, self._read(eval_path)
+        else:
+            order = list(range(len(rows)))
+            random.Random(0).shuffle(order)  # a fixed split: the same held-out rows on every run
+            k = math.ceil(eval_fraction * len(rows)) if eval_fraction and len(rows) > 1 else 0
+            held = set(order[:k])
+            self._train = [r for i, r in enumerate(rows) if i not in held]
+            self._eval = [r for i, r in enumerate(rows) if i in held]
+
+    def _read(self, path: str) -> list[PromptRow]:
+        data = load_rows(path, split=self.split)
+        if len(data) == 0:
+            raise ValueError(f"dataset {path!r} is empty")
+        if self.prompt_column not in data.column_names:
+            raise ValueError(
+                f"dataset {path!r} has no column {self.prompt_column!r}; its columns: {data.column_names} "
+                "(choose one with --prompt-column)"
+            )
+        return [
+            PromptRow(
+                messages=prompt_messages(row[self.prompt_column], where=f"dataset {path!r} row {i}"),
+                columns=dict(row),
+            )
+            for i, row in enumerate(data)
+        ]
+
+    def rows(self, n: int, *, seed: int) -> list[PromptRow]:
+        rng = random.Random(derive_seed(seed, "dataset"))
+        out: list[PromptRow] = []
+        while len(out) < n:  # whole permutations first, so no row repeats before all were drawn
+            out.extend(rng.sample(self._train, min(n - len(out), len(self._train))))
+        return out
+
+    def eval_rows(self, n: int, *, seed: int) -> list[PromptRow]:
+        """The first `n` evaluation rows, the same at every evaluation (`seed` is not used)."""
+        return self._eval[:n]
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "path": self.path,
+            "prompt_column": self.prompt_column,
+            "eval_path": self.eval_path,
+            "eval_fraction": self.eval_fraction if self.eval_path is None else None,
+            "train_rows": len(self._train),
+            "eval_rows": len(self._eval),
+        }
+
+
+def source(
+    path: str,
+    prompt_column: str = "prompt",
+    eval_path: str | None = None,
+    eval_fraction: float = 0.05,
+    tools: Any = None,
+    *,
+    split: str = "train",
+    tokenizer: Any = None,
+    **tool_args: Any,
+) -> TaskSource:
+    """The task source of `--dataset PATH`; `tools` (functions or `MODULE:FN,...`) adds tools."""
+    src: TaskSource = DatasetSource(
+        path, prompt_column=prompt_column, eval_path=eval_path, eval_fraction=eval_fraction, split=split
+    )
+    if tools is None:
+        if tool_args:
+            raise ValueError(f"dataset: options {sorted(tool_args)} apply to tools, and no tools were given")
+        return src
+    from ..tools import load_tools, with_tools
+
+    tools = load_tools(tools) if isinstance(tools, str) else tools
+    return with_tools(src, tools, tokenizer=tokenizer, **tool_args)

@@ -1,0 +1,152 @@
+"""A lineup participant that runs the tools a policy calls, in front of the task's environment.
+
+After each policy turn, `ToolEnvironment` parses the reply. A reply that calls tools gets
+their results as one `tool` message (rendered once, loss mask 0) and the policy speaks
+again; any other reply goes to the wrapped environment (the task's judge, game master, ...),
+which answers as it would without tools. So the wrapped environment only ever sees replies
+that are not tool calls, and its reward is the task's reward.
+
+A malformed call, an unknown tool, wrong arguments, a tool that raises or one that runs past
+`tool_timeout_s` becomes an `error: ...` line in the result the policy reads, and is counted.
+After `max_calls` calls in one conversation, replies go to the wrapped environment whatever
+they hold, which bounds the conversation's turns.
+
+Counts kept in `conv.infos` (summed over the conversation, for the trainer's metrics):
+`tool_calls` (calls attempted, well-formed or not), `tool_valid_calls` (well-formed calls of
+a known tool with acceptable arguments), `tool_errors` (calls that produced an error line),
+`tool_turns` (replies that called tools).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+from ..conversation import Conversation, Environment
+from ..limits import StepTimeout, await_limited, check_time_limit, maybe_await
+from ..trajectory import Message
+from .parser import HermesParser, ToolCall, ToolCallParser
+from .tool import Tool, as_tools
+
+TOOL_COUNTERS = ("tool_calls", "tool_valid_calls", "tool_errors", "tool_turns")
+
+
+class ToolEnvironment(Environment):
+    """Runs `tools` for the policy seat `policy`; hands other replies to `inner`.
+
+    `inner=None` makes a tools-only lineup: a reply without tool calls ends the conversation.
+    """
+
+    def __init__(
+        self,
+        tools: Sequence[Tool],
+        inner: Environment | None = None,
+        *,
+        policy: str = "policy",
+        parser: ToolCallParser | None = None,
+        max_calls: int = 4,
+        tool_timeout_s: float | None = 10.0,
+        max_result_chars: int = 2000,
+    ):
+        if max_calls < 0:
+            raise ValueError(f"ToolEnvironment.max_calls must be >= 0, got {max_calls}")
+        check_time_limit(tool_timeout_s, "ToolEnvironment.tool_timeout_s")
+        self.tools = {t.name: t for t in as_tools(tools)}
+        self.inner, self.policy, self.parser = inner, policy, parser or HermesParser()
+        self.max_calls, self.tool_timeout_s = max_calls, tool_timeout_s
+        self.max_result_chars = max_result_chars
+        self.name = inner.name if inner is not None else "tools"
+        self.role = inner.role if inner is not None else "user"
+        self.timeout_s = inner.timeout_s if inner is not None else None
+        self._serial = asyncio.Lock()
+        self._lock_loop: Any = None
+
+    def signature(self) -> tuple:
+        inner = self.inner.signature() if self.inner is not None else ()
+        return ("tools", self.name, tuple(sorted(self.tools)), inner)
+
+    async def respond(self, conv: Conversation) -> Any:
+        for key in TOOL_COUNTERS:
+            conv.infos.setdefault(key, 0)
+        last = conv.messages[-1] if conv.messages else None
+        if last is not None and last.speaker == self.policy and conv.infos["tool_calls"] < self.max_calls:
+            parsed = self.parser.parse(last.content)
+            if parsed.attempted:
+                return await self._run(conv, parsed.calls, parsed.errors)
+        if self.inner is None:
+            if last is not None and last.speaker == self.policy:
+                conv.request_stop("answered")
+            return None
+        return await maybe_await(self.inner.respond(conv))
+
+    async def _run(self, conv: Conversation, calls: Sequence[ToolCall], errors: Sequence[str]) -> Message:
+        room = self.max_calls - conv.infos["tool_calls"]
+        lines = [f"error: {e}" for e in errors[:room]]
+        conv.infos["tool_calls"] += len(lines)
+        conv.infos["tool_errors"] += len(lines)
+        conv.infos["tool_turns"] += 1
+        for call in calls[: max(room - len(lines), 0)]:
+            conv.infos["tool_calls"] += 1
+            ok, text = await self._call(call)
+            conv.infos["tool_valid_calls"] += int(ok is not None)
+            conv.infos["tool_errors"] += int(not ok)
+            lines.append(text if ok else f"error: {text}")
+        if conv.infos["tool_calls"] >= self.max_calls:
+            lines.append(f"(tool call limit of {self.max_calls} reached: answer now)")
+        text = "\n".join(lines)
+        if len(text) > self.max_result_chars:
+            text = text[: self.max_result_chars] + f"... ({len(text) - self.max_result_chars} characters cut)"
+        return Message(speaker=self.name, content=text, role="tool")
+
+    async def _call(self, call: ToolCall) -> tuple[bool | None, str]:
+        """(True, result) on success; (False, why) if the tool failed; (None, why) if not callable."""
+        tool = self.tools.get(call.name)
+        if tool is None:
+            return None, f"unknown tool {call.name!r}; the tools are {sorted(self.tools)}"
+        problem = tool.argument_error(call.arguments)
+        if problem is not None:
+            return None, problem
+        try:
+            out = await await_limited(
+                functools.partial(tool.fn, **call.arguments), limit=self.tool_timeout_s, serial=self._lock()
+            )
+        except StepTimeout:
+            return False, f"tool {call.name!r} ran past {self.tool_timeout_s:g} s"
+        except Exception as exc:  # the policy reads what went wrong; the step carries on
+            return False, f"tool {call.name!r} raised {type(exc).__name__}: {exc}"
+        return True, out if isinstance(out, str) else repr(out)
+
+    def _lock(self) -> asyncio.Lock:
+        # co_step runs each round in a fresh event loop: a lock belongs to the loop that made it
+        loop = asyncio.get_running_loop()
+        if self._lock_loop is not loop:
+            self._serial, self._lock_loop = asyncio.Lock(), loop
+        return self._serial
+
+    def reward(self, conv: Conversation) -> float | None:
+        return self.inner.reward(conv) if self.inner is not None else None
+
+    def reward_for(self, conv: Conversation, participant: str) -> float | None:
+        return self.inner.reward_for(conv, participant) if self.inner is not None else None
+
+
+def tool_metrics(infos: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """`tool/calls_per_sample`, `tool/valid_fraction`, `tool/errors_per_sample`, `turns_per_sample`.
+
+    From trajectories' (or conversations') infos; the valid fraction is over all calls made
+    (1.0 when none were made, so a run without calls does not read as all-invalid).
+    """
+    n = len(infos)
+    if n == 0:
+        return {}
+    total = {k: sum(float(i.get(k, 0)) for i in infos) for k in TOOL_COUNTERS}
+    return {
+        "tool/calls_per_sample": total["tool_calls"] / n,
+        "tool/valid_fraction": total["tool_valid_calls"] / total["tool_calls"]
+        if total["tool_calls"]
+        else 1.0,
+        "tool/errors_per_sample": total["tool_errors"] / n,
+        "turns_per_sample": sum(float(i.get("turns", 0)) for i in infos) / n,
+    }

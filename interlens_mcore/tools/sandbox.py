@@ -1,0 +1,423 @@
+"""A bounded evaluator of Python expressions, for tools a policy may call with any text.
+
+The expression is parsed, checked against an allow-list, then interpreted node by node by
+this module (never by `eval`), so every bound is enforced before the work is done:
+
+- refused before anything runs: statements and imports (only an expression parses), names
+  outside the allowed functions and comprehension variables, any name starting with `_`
+  (`__import__`, `__builtins__`), attribute access of any kind (`().__class__.__mro__`,
+  `x.real`), lambdas, f-strings and `%`-formatting (a format width allocates), starred
+  arguments, more than `max_chars` characters, nesting deeper than `max_depth`;
+- refused when reached, before the operation runs: integers over `max_int_bits` bits
+  (`9 ** 9 ** 9`, `1 << 10**9`, products of big numbers), sequences over `max_items` items
+  (`"a" * 10**9`, `range(10**12)`, concatenation), `factorial` / `comb` / `perm` of large
+  arguments;
+- stopped while running: more than `max_steps` evaluated nodes (each loop iteration counts),
+  or more than `max_seconds` of wall time.
+
+Every refusal is a `SandboxError` whose message says what was refused and the limit.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import operator
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+class SandboxError(ValueError):
+    """An expression was refused or failed; the message says why."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SandboxLimits:
+    """Bounds of one evaluation."""
+
+    max_chars: int = 2000  # length of the expression's source
+    max_depth: int = 40  # nesting of the syntax tree
+    max_steps: int = 100_000  # syntax nodes evaluated, loop iterations included
+    max_int_bits: int = 4096  # size of any integer produced
+    max_items: int = 10_000  # items of any value produced, nested items and characters included
+    max_seconds: float = 1.0  # wall time of the evaluation
+
+
+def _range(*args: int) -> range:
+    return range(*args)
+
+
+def _sum(values: Iterable, start: Any = 0) -> Any:
+    # a non-number start would let sum() concatenate sequences past every size check
+    if not isinstance(start, (int, float, complex)):
+        raise SandboxError("sum() takes a number as its start value")
+    return sum(values, start)
+
+
+def _str(value: Any) -> str:
+    # the text of a container can be far larger than its item count (shared references)
+    if not isinstance(value, (int, float, complex, bool, str, type(None))):
+        raise SandboxError(f"str() of a {type(value).__name__} is not allowed; only of numbers and strings")
+    return str(value)
+
+
+_CONTAINERS = (str, list, tuple, set, frozenset, dict, range)
+
+
+def _total_items(value: Any, cap: int) -> int:
+    """Items reachable from `value`, shared references counted each time; stops past `cap`."""
+    total, stack = 0, [value]
+    while stack and total <= cap:
+        v = stack.pop()
+        if isinstance(v, (str, range)):
+            total += len(v)
+        elif isinstance(v, dict):
+            total += len(v)
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple, set, frozenset)):
+            total += len(v)
+            stack.extend(v)
+    return total
+
+
+def _guarded_factorial(n: int) -> int:
+    if isinstance(n, int) and n > 1000:
+        raise SandboxError(f"factorial({n}) refused: the argument limit is 1000")
+    return math.factorial(n)
+
+
+def _guarded_choose(fn: Callable[..., int]) -> Callable[..., int]:
+    def choose(n: int, k: int | None = None) -> int:
+        if isinstance(n, int) and n > 10_000:
+            raise SandboxError(f"{fn.__name__}({n}, ...) refused: the argument limit is 10000")
+        return fn(n) if k is None else fn(n, k)
+
+    choose.__name__ = fn.__name__
+    return choose
+
+
+# Pure functions of values; none of them reaches an object's attributes or the interpreter.
+SAFE_FUNCTIONS: dict[str, Any] = {
+    "abs": abs, "all": all, "any": any, "bool": bool, "divmod": divmod, "enumerate": enumerate,
+    "float": float, "int": int, "len": len, "list": list, "max": max, "min": min, "range": _range,
+    "reversed": reversed, "round": round, "set": set, "sorted": sorted, "str": _str, "sum": _sum,
+    "tuple": tuple, "zip": zip, "dict": dict,
+    "sqrt": math.sqrt, "exp": math.exp, "log": math.log, "log2": math.log2, "log10": math.log10,
+    "sin": math.sin, "cos": math.cos, "tan": math.tan, "atan": math.atan, "floor": math.floor,
+    "ceil": math.ceil, "gcd": math.gcd, "isqrt": math.isqrt, "factorial": _guarded_factorial,
+    "comb": _guarded_choose(math.comb), "perm": _guarded_choose(math.perm),
+    "pi": math.pi, "e": math.e, "True": True, "False": False, "None": None,
+}  # fmt: skip
+
+_BINOPS: dict[type, Callable[[Any, Any], Any]] = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
+    ast.LShift: operator.lshift, ast.RShift: operator.rshift, ast.BitAnd: operator.and_,
+    ast.BitOr: operator.or_, ast.BitXor: operator.xor,
+}  # fmt: skip
+_UNARY: dict[type, Callable[[Any], Any]] = {
+    ast.UAdd: operator.pos, ast.USub: operator.neg, ast.Not: operator.not_, ast.Invert: operator.invert,
+}  # fmt: skip
+_COMPARE: dict[type, Callable[[Any, Any], Any]] = {
+    ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
+    ast.Gt: operator.gt, ast.GtE: operator.ge, ast.In: lambda a, b: a in b,
+    ast.NotIn: lambda a, b: a not in b, ast.Is: operator.is_, ast.IsNot: operator.is_not,
+}  # fmt: skip
+
+ARITHMETIC_NODES = (ast.Expression, ast.Constant, ast.BinOp, ast.UnaryOp, *_BINOPS, *_UNARY)
+EXPRESSION_NODES = (
+    *ARITHMETIC_NODES, ast.BoolOp, ast.And, ast.Or, ast.Compare, *_COMPARE, ast.IfExp, ast.Name,
+    ast.Load, ast.Store, ast.Call, ast.keyword, ast.Tuple, ast.List, ast.Set, ast.Dict,
+    ast.Subscript, ast.Slice, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp,
+    ast.comprehension,
+)  # fmt: skip
+
+_REFUSED = {
+    ast.Attribute: "attribute access is",
+    ast.Lambda: "lambda is",
+    ast.JoinedStr: "f-strings are",
+    ast.FormattedValue: "f-strings are",
+    ast.NamedExpr: "assignment expressions (:=) are",
+    ast.Starred: "starred arguments are",
+    ast.Await: "await is",
+    ast.Yield: "yield is",
+    ast.YieldFrom: "yield is",
+}
+
+
+def _depth(node: ast.AST) -> int:
+    # iterative, so a tree deep enough to be refused cannot exhaust the interpreter's stack
+    deepest, stack = 0, [(node, 1)]
+    while stack:
+        n, d = stack.pop()
+        deepest = max(deepest, d)
+        stack.extend((c, d + 1) for c in ast.iter_child_nodes(n))
+    return deepest
+
+
+class Sandbox:
+    """Evaluates checked expressions under `limits`, with `names` as the only free names.
+
+    `Sandbox()` allows the expression language above with `SAFE_FUNCTIONS`;
+    `Sandbox(nodes=ARITHMETIC_NODES, names={})` allows numbers and arithmetic only.
+    """
+
+    def __init__(
+        self,
+        limits: SandboxLimits = SandboxLimits(),
+        *,
+        names: Mapping[str, Any] = SAFE_FUNCTIONS,
+        nodes: tuple[type, ...] = EXPRESSION_NODES,
+    ):
+        self.limits, self.names, self.nodes = limits, dict(names), tuple(nodes)
+
+    # -- static check -----------------------------------------------------------------------
+    def check(self, source: str) -> ast.Expression:
+        """The parsed expression, or a SandboxError naming the first thing refused."""
+        lim = self.limits
+        if not isinstance(source, str):
+            raise SandboxError(f"expected the expression as a string, got {type(source).__name__}")
+        if len(source) > lim.max_chars:
+            raise SandboxError(
+                f"expression of {len(source)} characters refused: the limit is {lim.max_chars}"
+            )
+        try:
+            tree = ast.parse(source.strip(), mode="eval")
+        except SyntaxError as exc:
+            raise SandboxError(
+                f"not a Python expression ({exc.msg}); statements and imports are refused"
+            ) from None
+        except (RecursionError, MemoryError):
+            raise SandboxError("expression nested too deeply to parse") from None
+        if _depth(tree) > lim.max_depth:
+            raise SandboxError(f"expression nested deeper than {lim.max_depth} levels refused")
+        bound = {
+            n.id for c in ast.walk(tree) if isinstance(c, ast.comprehension) for n in ast.walk(c.target)
+            if isinstance(n, ast.Name)
+        }  # fmt: skip
+        for node in ast.walk(tree):
+            self._check_node(node, bound)
+        return tree
+
+    def _check_node(self, node: ast.AST, bound: set[str]) -> None:
+        kind = type(node)
+        if kind in _REFUSED:
+            raise SandboxError(f"{_REFUSED[kind]} not allowed")
+        if not isinstance(node, self.nodes):
+            raise SandboxError(f"{kind.__name__} is not allowed here")
+        if isinstance(node, ast.Name):
+            if node.id.startswith("_"):
+                raise SandboxError(f"name {node.id!r} is not allowed (names starting with '_' are refused)")
+            if node.id not in self.names and node.id not in bound:
+                allowed = ", ".join(sorted(k for k in self.names if k not in ("True", "False", "None")))
+                raise SandboxError(f"unknown name {node.id!r}; allowed: {allowed or 'none'}")
+        elif isinstance(node, ast.Constant) and not isinstance(
+            node.value, (int, float, complex, str, type(None))
+        ):
+            raise SandboxError(f"constant {type(node.value).__name__} is not allowed")
+        elif isinstance(node, ast.Call):
+            if not isinstance(node.func, (ast.Name, ast.Attribute)):  # an attribute is refused as such
+                raise SandboxError("only the allowed functions can be called, by name")
+            if any(k.arg is None for k in node.keywords):
+                raise SandboxError("** arguments are not allowed")
+        elif (
+            isinstance(node, ast.BinOp)
+            and isinstance(node.op, ast.Mod)
+            and isinstance(node.left, ast.Constant)
+        ):
+            if isinstance(node.left.value, str):
+                raise SandboxError("%-formatting of strings is not allowed")
+        elif isinstance(node, ast.comprehension) and node.is_async:
+            raise SandboxError("async comprehensions are not allowed")
+
+    # -- evaluation -------------------------------------------------------------------------
+    def evaluate(self, source: str) -> Any:
+        """The value of `source`, or a SandboxError saying what was refused or failed."""
+        tree = self.check(source)
+        self._steps = 0
+        self._deadline = time.monotonic() + self.limits.max_seconds
+        try:
+            return self._eval(tree.body, {})
+        except SandboxError:
+            raise
+        except RecursionError:
+            raise SandboxError("expression nested too deeply to evaluate") from None
+        except (ArithmeticError, TypeError, ValueError, IndexError, KeyError) as exc:
+            raise SandboxError(f"{type(exc).__name__}: {exc}") from None
+
+    def _tick(self) -> None:
+        self._steps += 1
+        if self._steps > self.limits.max_steps:
+            raise SandboxError(f"evaluation stopped after {self.limits.max_steps} steps (the step limit)")
+        if self._steps % 256 == 0 and time.monotonic() > self._deadline:
+            raise SandboxError(f"evaluation stopped after {self.limits.max_seconds:g} s (the time limit)")
+
+    def _eval(self, node: ast.AST, scope: dict[str, Any]) -> Any:
+        self._tick()
+        method = getattr(self, f"_eval_{type(node).__name__}")
+        return self._sized(method(node, scope))
+
+    def _sized(self, value: Any) -> Any:
+        lim = self.limits
+        if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > lim.max_int_bits:
+            raise SandboxError(
+                f"an integer of {value.bit_length()} bits refused: the limit is {lim.max_int_bits}"
+            )
+        if isinstance(value, _CONTAINERS) and _total_items(value, lim.max_items) > lim.max_items:
+            raise SandboxError(
+                f"a {type(value).__name__} holding more than {lim.max_items} items in all refused "
+                f"(nested items and characters count): the limit is {lim.max_items}"
+            )
+        return value
+
+    def _eval_Constant(self, node: ast.Constant, scope: dict) -> Any:
+        return node.value
+
+    def _eval_Name(self, node: ast.Name, scope: dict) -> Any:
+        return scope[node.id] if node.id in scope else self.names[node.id]
+
+    def _eval_BinOp(self, node: ast.BinOp, scope: dict) -> Any:
+        left, right = self._eval(node.left, scope), self._eval(node.right, scope)
+        self._precheck(type(node.op), left, right)
+        if isinstance(node.op, ast.Mod) and isinstance(left, str):
+            raise SandboxError("%-formatting of strings is not allowed")
+        return _BINOPS[type(node.op)](left, right)
+
+    def _precheck(self, op: type, left: Any, right: Any) -> None:
+        """Refuse an operation whose result would break a size limit, before computing it."""
+        bits, items = self.limits.max_int_bits, self.limits.max_items
+        ints = all(isinstance(v, int) for v in (left, right))
+        # |left| ** right has at least right * (bit_length(left) - 1) bits
+        if op is ast.Pow and ints and right > 0 and right * (abs(left).bit_length() - 1) > bits:
+            raise SandboxError(f"{left} ** {right} refused: the result would exceed {bits} bits")
+        if op is ast.LShift and ints and right > bits:
+            raise SandboxError(f"{left} << {right} refused: the result would exceed {bits} bits")
+        if op is ast.Mult and ints and left.bit_length() + right.bit_length() > bits + 1:
+            raise SandboxError(f"a product of {left.bit_length()}- and {right.bit_length()}-bit integers "
+                               f"refused: the result would exceed {bits} bits")  # fmt: skip
+        if op is ast.Mult:
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > items:
+                    raise SandboxError(
+                        f"repeating a {type(seq).__name__} {n} times refused: the limit is {items} items"
+                    )
+        if op is ast.Add and isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
+            if len(left) + len(right) > items:
+                raise SandboxError(
+                    f"a concatenation of {len(left) + len(right)} items refused: the limit is {items}"
+                )
+
+    def _eval_UnaryOp(self, node: ast.UnaryOp, scope: dict) -> Any:
+        return _UNARY[type(node.op)](self._eval(node.operand, scope))
+
+    def _eval_BoolOp(self, node: ast.BoolOp, scope: dict) -> Any:
+        value: Any = None
+        for v in node.values:
+            value = self._eval(v, scope)
+            if isinstance(node.op, ast.And) != bool(value):
+                return value
+        return value
+
+    def _eval_Compare(self, node: ast.Compare, scope: dict) -> bool:
+        left = self._eval(node.left, scope)
+        for op, comp in zip(node.ops, node.comparators):
+            right = self._eval(comp, scope)
+            if not _COMPARE[type(op)](left, right):
+                return False
+            left = right
+        return True
+
+    def _eval_IfExp(self, node: ast.IfExp, scope: dict) -> Any:
+        return self._eval(node.body if self._eval(node.test, scope) else node.orelse, scope)
+
+    def _eval_Call(self, node: ast.Call, scope: dict) -> Any:
+        fn = self._eval(node.func, scope)
+        args = [self._eval(a, scope) for a in node.args]
+        kwargs = {k.arg: self._eval(k.value, scope) for k in node.keywords}
+        if fn is _range:
+            size = len(range(*args))  # OverflowError past sys.maxsize, reported as such
+            if size > self.limits.max_items:
+                raise SandboxError(f"a range of {size} items refused: the limit is {self.limits.max_items}")
+        if not callable(fn):
+            raise SandboxError(f"{node.func.id!r} is not a function")  # type: ignore[attr-defined]
+        out = fn(*args, **kwargs)
+        if isinstance(out, (enumerate, zip, reversed)):
+            out = list(self._iterate(out))
+        return out
+
+    def _eval_Tuple(self, node: ast.Tuple, scope: dict) -> tuple:
+        return tuple(self._eval(e, scope) for e in node.elts)
+
+    def _eval_List(self, node: ast.List, scope: dict) -> list:
+        return [self._eval(e, scope) for e in node.elts]
+
+    def _eval_Set(self, node: ast.Set, scope: dict) -> set:
+        return {self._eval(e, scope) for e in node.elts}
+
+    def _eval_Dict(self, node: ast.Dict, scope: dict) -> dict:
+        return {self._eval(k, scope): self._eval(v, scope) for k, v in zip(node.keys, node.values)}  # type: ignore[arg-type]
+
+    def _eval_Subscript(self, node: ast.Subscript, scope: dict) -> Any:
+        return self._eval(node.value, scope)[self._eval(node.slice, scope)]
+
+    def _eval_Slice(self, node: ast.Slice, scope: dict) -> slice:
+        parts = (node.lower, node.upper, node.step)
+        return slice(*(None if p is None else self._eval(p, scope) for p in parts))
+
+    def _iterate(self, values: Iterable) -> Iterable:
+        for v in values:
+            self._tick()  # every iteration counts, so a long loop hits the step limit
+            yield v
+
+    def _bindings(self, generators: list[ast.comprehension], scope: dict) -> Iterable[dict]:
+        """Every scope the comprehension's `for` and `if` clauses produce, in order."""
+        if not generators:
+            yield scope
+            return
+        first, rest = generators[0], generators[1:]
+        for value in self._iterate(self._eval(first.iter, scope)):
+            inner = dict(scope)
+            self._bind(first.target, value, inner)
+            if all(self._eval(cond, inner) for cond in first.ifs):
+                yield from self._bindings(rest, inner)
+
+    def _bind(self, target: ast.AST, value: Any, scope: dict) -> None:
+        if isinstance(target, ast.Name):
+            scope[target.id] = value
+        elif isinstance(target, (ast.Tuple, ast.List)):
+            values = list(value)
+            if len(values) != len(target.elts):
+                raise SandboxError(f"cannot unpack {len(values)} values into {len(target.elts)} names")
+            for t, v in zip(target.elts, values):
+                self._bind(t, v, scope)
+        else:
+            raise SandboxError(f"{type(target).__name__} is not allowed as a loop target")
+
+    def _collect(self, items: Iterable) -> list:
+        # the items' own contents count as they arrive, so a comprehension of big values stops
+        # before it holds more than the limit, not after
+        cap, out, total = self.limits.max_items, [], 0
+        for item in items:
+            out.append(item)
+            total += 1 + (_total_items(item, cap) if isinstance(item, _CONTAINERS) else 0)
+            if total > cap:
+                raise SandboxError(f"a comprehension of more than {cap} items in all refused")
+        return out
+
+    def _eval_ListComp(self, node: ast.ListComp, scope: dict) -> list:
+        return self._collect(self._eval(node.elt, s) for s in self._bindings(node.generators, scope))
+
+    _eval_GeneratorExp = _eval_ListComp  # evaluated eagerly: its consumer gets a bounded list
+
+    def _eval_SetComp(self, node: ast.SetComp, scope: dict) -> set:
+        return set(self._collect(self._eval(node.elt, s) for s in self._bindings(node.generators, scope)))
+
+    def _eval_DictComp(self, node: ast.DictComp, scope: dict) -> dict:
+        pairs = (
+            (self._eval(node.key, s), self._eval(node.value, s))
+            for s in self._bindings(node.generators, scope)
+        )
+        return dict(self._collect(pairs))

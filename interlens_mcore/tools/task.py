@@ -1,0 +1,146 @@
+"""`with_tools(source, tools)`: any task source, with tools its policy may call.
+
+Each row's lineup keeps its participants; the environment that answers a policy seat (the
+participant right after the seat, when the seat speaks again right after it) is wrapped in a
+`ToolEnvironment`, so a tool call is answered with its result and the seat speaks again; the
+opening transcript gains a system message presenting the tools (the chat template's own
+rendering, see `render`). The turn cap grows by two turns per allowed call.
+
+Sampling should stop at the parser's closing tag (`source.stop`, e.g. `("</tool_call>",)`) so a
+policy cannot write a tool's answer itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..conversation import Environment, Participant, Policy
+from ..tasks.base import TaskSource
+from ..trajectory import Message
+from .environment import ToolEnvironment
+from .parser import HermesParser, ToolCallParser
+from .render import tools_system_text
+from .tool import Tool, as_tools
+
+
+@dataclass(frozen=True, kw_only=True)
+class ToolOptions:
+    """How tools are offered: the call format, the per-conversation budget, the time limit."""
+
+    parser: ToolCallParser = field(default_factory=HermesParser)
+    max_calls: int = 4  # tool calls per conversation; later replies go to the task's environment
+    tool_timeout_s: float | None = 10.0  # one call's limit; past it the policy reads an error
+    max_result_chars: int = 2000
+
+
+@dataclass(eq=False)
+class ToolTask:
+    """A row of the wrapped source, with the tools in its opening and its lineup."""
+
+    inner: Any
+    tools: list[Tool]
+    options: ToolOptions
+    tokenizer: Any = None
+
+    @property
+    def max_turns(self) -> int:
+        return self.inner.max_turns + 2 * self.options.max_calls
+
+    def prompt(self) -> list[Message]:
+        messages = list(self.inner.prompt())
+        system = None
+        if messages and messages[0].role == "system":
+            system, messages = messages[0].content, messages[1:]
+        schemas = [t.schema for t in self.tools]
+        text = tools_system_text(self.tokenizer, schemas, system)
+        return [Message(speaker="system", content=text, role="system"), *messages]
+
+    def lineup(self, seat: Callable[[str], Policy]) -> list[Participant]:
+        lineup = list(self.inner.lineup(seat))
+        n = len(lineup)
+        wrapped = list(lineup)
+        for i, p in enumerate(lineup):
+            if not isinstance(p, Policy):
+                continue
+            env, back = lineup[(i + 1) % n], lineup[(i + 2) % n]
+            if not isinstance(env, Environment) or back is not p:
+                raise ValueError(
+                    f"with_tools: seat {p.name!r} of lineup {[q.name for q in lineup]} is not answered by "
+                    "an environment before it speaks again, so a tool result would reach another seat; "
+                    "tools need lineups like [policy, environment] or [environment, policy]"
+                )
+            o = self.options
+            wrapped[(i + 1) % n] = ToolEnvironment(
+                self.tools, env, policy=p.name, parser=o.parser, max_calls=o.max_calls,
+                tool_timeout_s=o.tool_timeout_s, max_result_chars=o.max_result_chars,
+            )  # fmt: skip
+        return wrapped
+
+    def __getattr__(self, name: str) -> Any:
+        # the wrapped row's own fields (`columns`, a reasoning-gym `entry`) stay readable by reward
+        # functions, as if no tools were offered
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+class ToolTaskSource(TaskSource):
+    """`source`'s rows as `ToolTask`s; seats, evaluation and options carried over."""
+
+    def __init__(self, source: TaskSource, tools: Sequence[Any], options: ToolOptions, tokenizer: Any = None):
+        if source.scheduler() is not None:
+            raise ValueError(
+                f"with_tools: task source {source.name!r} runs through a scheduler; "
+                "tools wrap lineup tasks only"
+            )
+        self.source, self.tools, self.options, self.tokenizer = source, as_tools(tools), options, tokenizer
+        self.name = f"{source.name}+tools"
+        self.trained_seats, self.frozen_seats = source.trained_seats, source.frozen_seats
+
+    @property
+    def stop(self) -> tuple[str, ...]:
+        """Stop strings for the policy's sampling: a turn ends right after a call."""
+        return tuple(self.options.parser.stop)
+
+    def _wrap(self, rows: list[Any]) -> list[ToolTask]:
+        return [
+            ToolTask(inner=r, tools=self.tools, options=self.options, tokenizer=self.tokenizer) for r in rows
+        ]
+
+    def rows(self, n: int, *, seed: int) -> list[ToolTask]:
+        return self._wrap(self.source.rows(n, seed=seed))
+
+    def eval_rows(self, n: int, *, seed: int) -> list[ToolTask]:
+        return self._wrap(self.source.eval_rows(n, seed=seed))
+
+    def describe(self) -> dict[str, Any]:
+        o = self.options
+        return {
+            **self.source.describe(),
+            "name": self.name,
+            "tools": [t.name for t in self.tools],
+            "max_calls": o.max_calls,
+            "tool_timeout_s": o.tool_timeout_s,
+        }
+
+
+def with_tools(
+    source: TaskSource,
+    tools: Sequence[Callable[..., Any] | Tool],
+    *,
+    tokenizer: Any = None,
+    parser: ToolCallParser | None = None,
+    max_calls: int = 4,
+    tool_timeout_s: float | None = 10.0,
+) -> ToolTaskSource:
+    """`source` with `tools` offered to its policy seats (what `--tools MODULE:FN,...` adds).
+
+    `tokenizer`: whose chat template presents the tools (`tools=`); without one, or when its
+    template ignores tools, a plain-text preamble describes them.
+    """
+    if max_calls < 1:
+        raise ValueError(f"with_tools: max_calls must be >= 1, got {max_calls}")
+    options = ToolOptions(parser=parser or HermesParser(), max_calls=max_calls, tool_timeout_s=tool_timeout_s)
+    return ToolTaskSource(source, tools, options, tokenizer)

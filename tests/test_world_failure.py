@@ -1,0 +1,109 @@
+"""`parallel.check_world`: one rank's error reaches every rank as the same named cause.
+
+Real gloo processes. The vanished-peer case needs its own two processes (not
+`dist_utils.run_ranks`, which fails a test as soon as any rank dies): rank 1 SIGKILLs itself
+and rank 0 must raise a `WorldFailure` within seconds, not after the group's timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch.multiprocessing as mp
+from dist_utils import free_port, run_ranks
+
+SCENARIOS = ([], [1], [0, 1])  # which ranks fail, in one job (spawning ranks is the slow part)
+
+
+def _check_job(rank, world_size):
+    from interlens_mcore import parallel
+
+    group = parallel.world_check_group(timeout_s=30)
+    out = []
+    for failing in SCENARIOS:
+        error = ValueError(f"environment of rank {rank} exploded") if rank in failing else None
+        try:
+            parallel.check_world(error, group)
+            out.append(None)
+        except parallel.WorldFailure as exc:
+            out.append({"message": str(exc), "failures": exc.failures, "chained": exc.__cause__ is error})
+    return out
+
+
+@pytest.fixture(scope="module")
+def checked():
+    return run_ranks(_check_job, 2, timeout=60)
+
+
+@pytest.mark.parametrize(
+    "scenario, message",
+    [
+        (1, "rank 1 failed: ValueError: environment of rank 1 exploded"),
+        (2, "rank 0 failed: ValueError: environment of rank 0 exploded (rank 1 failed too)"),
+    ],
+)
+def test_every_rank_raises_the_same_named_cause(checked, scenario, message):
+    results = [r[scenario] for r in checked]
+    assert [r["message"] for r in results] == [message, message]
+    failing = SCENARIOS[scenario]
+    assert results[0]["failures"] == [(r, f"ValueError: environment of rank {r} exploded") for r in failing]
+    # chained to the rank's own error where it failed (to nothing elsewhere)
+    assert [r["chained"] for r in results] == [True, True]
+
+
+def test_nobody_failing_raises_nothing_and_the_checks_stay_aligned(checked):
+    # scenario 0 returned on both ranks, and the failing scenarios after it still matched up
+    assert [r[0] for r in checked] == [None, None]
+    assert all(r[2] is not None for r in checked)
+
+
+def test_one_rank_alone_raises_its_own_error():
+    from interlens_mcore import parallel
+
+    parallel.check_world(None)
+    with pytest.raises(parallel.WorldFailure, match="^rank 0 failed: KeyError: 'seat'$"):
+        parallel.check_world(KeyError("seat"))
+
+
+def _killed_peer(rank: int, port: int, queue) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from interlens_mcore import parallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # the trainers' default timeout: a hang would show as a test timeout, not a quick failure
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=1800))
+    group = parallel.world_check_group(timeout_s=1800)
+    parallel.check_world(None, group)
+    if rank == 1:
+        time.sleep(0.5)  # rank 0 is inside the next check by now
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        parallel.check_world(None, group)
+        queue.put(("returned", 0.0))
+    except parallel.WorldFailure as exc:
+        queue.put((str(exc), time.monotonic() - start))
+
+
+def test_a_killed_peer_becomes_a_world_failure_within_seconds():
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_killed_peer, args=(r, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        message, waited = queue.get(timeout=60)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    assert procs[1].exitcode == -signal.SIGKILL
+    assert message.startswith("a rank left the world before reporting (")
+    assert waited < 10.0, waited  # gloo sees the closed connection; measured about 0.5 s (the sleep)

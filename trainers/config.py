@@ -1,0 +1,108 @@
+"""`TrainerConfig` (the GRPO loop, its optimizer, outputs and logging) and `BackendConfig`.
+
+These dataclasses are the one source of the options: `launch/cli.py` generates the command line
+and the YAML keys from them (field name = option name), so a default here is the default
+everywhere. Runtime objects (model, groups, tokenizer) are constructor arguments, never fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+REPORTERS = ("jsonl", "tensorboard", "wandb")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    """The outer loop, the optimizer, checkpoints, evaluation and logging."""
+
+    steps: int = field(
+        default=150, metadata={"help": "optimizer steps of the run (a resumed run may raise it)"}
+    )
+    batch_size: int = field(
+        default=32, metadata={"help": "samples per rank per step: a multiple of --num-generations"}
+    )
+    lr: float = field(default=2e-3, metadata={"help": "AdamW learning rate"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    grad_clip: float = field(default=1.0, metadata={"help": "clip the global gradient norm to this"})
+    updates_per_rollout: int = field(
+        default=1, metadata={"help": "optimizer steps per rollout batch (> 1: old logprobs recomputed)"}
+    )
+    save_every: int = field(
+        default=10, metadata={"help": "steps between checkpoints (the last is always saved)"}
+    )
+    save_total_limit: int = field(default=2, metadata={"help": "checkpoints kept (the newest ones)"})
+    eval_every: int = field(
+        default=10,
+        metadata={"help": "steps between evaluations on held-out rows (0: never); also at the end"},
+    )
+    eval_size: int = field(
+        default=16, metadata={"help": "held-out rows per rank (per seat in multi-seat games)"}
+    )
+    output_dir: str | None = field(
+        default=None, metadata={"help": "run folder (default: a new runs/<task>-<timestamp>)"}
+    )
+    report_to: str = field(
+        default="jsonl",
+        metadata={"help": "comma-separated loggers: jsonl, tensorboard, wandb (offline works)"},
+    )
+    log_completions_every: int = field(
+        default=10, metadata={"help": "steps between sample completions in completions.jsonl (0: never)"}
+    )
+    log_completions: int = field(default=4, metadata={"help": "trajectories written each time"})
+
+    def __post_init__(self) -> None:
+        for name in (
+            "steps",
+            "batch_size",
+            "updates_per_rollout",
+            "save_every",
+            "save_total_limit",
+            "eval_size",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TrainerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("eval_every", "log_completions_every", "log_completions"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"TrainerConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ValueError(f"TrainerConfig.lr must be > 0, got {self.lr}")
+        if not self.grad_clip > 0:
+            raise ValueError(f"TrainerConfig.grad_clip must be > 0, got {self.grad_clip}")
+        unknown = [r for r in self.reporters if r not in REPORTERS]
+        if unknown or not self.reporters:
+            raise ValueError(
+                f"TrainerConfig.report_to must list some of {', '.join(REPORTERS)}, got {self.report_to!r}"
+            )
+
+    @property
+    def reporters(self) -> list[str]:
+        return [r.strip() for r in self.report_to.split(",") if r.strip()]
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackendConfig:
+    """Which training backend holds the model, and how it is split."""
+
+    backend: Literal["megatron", "deepspeed"] = field(
+        default="megatron",
+        metadata={"help": "megatron (megatron-core GPTModel) or deepspeed (HF model, ZeRO)"},
+    )
+    model: str | None = field(
+        default=None, metadata={"help": "HF checkpoint folder (default: the tiny local model)"}
+    )
+    tp: int = field(default=1, metadata={"help": "tensor-parallel size (megatron); may change on --resume"})
+    pp: int = field(default=1, metadata={"help": "pipeline-parallel size (only 1 yet: docs/parallelism.md)"})
+    cp: int = field(default=1, metadata={"help": "context-parallel size (only 1 yet: docs/parallelism.md)"})
+    zero_stage: Literal[1, 2, 3] = field(default=3, metadata={"help": "DeepSpeed ZeRO stage"})
+
+    def __post_init__(self) -> None:
+        if self.tp < 1:
+            raise ValueError(f"BackendConfig.tp must be >= 1, got {self.tp}")
+        if self.backend == "deepspeed" and self.tp != 1:
+            raise ValueError(
+                f"BackendConfig.tp {self.tp}: the deepspeed backend has no tensor parallelism (use --tp 1)"
+            )
+        if self.zero_stage not in (1, 2, 3):
+            raise ValueError(f"BackendConfig.zero_stage must be 1, 2 or 3, got {self.zero_stage}")

@@ -1,0 +1,282 @@
+"""`GRPOTrainer`: the GRPO loop, composed of a backend, a task source and reward functions.
+
+One step, on every rank::
+
+    rows     = tasks.rows(prompts_per_rank, seed)        # a pure function of (seed, step, rank)
+    rollout  = rollouter.run(rows, step)                 # collective multi-turn rollout
+    rewards  = reward_fns(trajectories, rows)            # weighted, each logged apart
+    adv      = rollout_advantages(trajectories)          # per (prompt, seat) group
+    batches  = micro_batches(rollout)                    # packed THD or padded
+    for each update: logprobs -> loss -> backward; backend.optimizer_step()
+    log; checkpoint every save_every steps
+
+Extension points (none of them a subclass of this class): the `Backend` (trainers.backend), the
+`TaskSource` (interlens_mcore.tasks), the reward functions (interlens_mcore.rewards) and
+`loss_fn` (same signature as `interlens_mcore.loss.batch_loss`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from interlens_mcore import parallel
+from interlens_mcore.loss import LossConfig, batch_loss
+from interlens_mcore.mixin import pad_id
+from interlens_mcore.rewards import WeightedRewards, environment_reward
+from interlens_mcore.rollout import Rollout, RolloutConfig, Rollouter, micro_batches, rollout_advantages
+from interlens_mcore.sampling import mix_seed
+from interlens_mcore.tasks import TaskSource
+
+from . import record, rundir, state
+from .backend import Backend
+from .config import TrainerConfig
+from .report import Reporter
+from .update import update
+
+_EVAL_SEED = 0x65
+
+
+def describe_run(
+    config: TrainerConfig,
+    rollout_config: RolloutConfig,
+    loss_config: LossConfig,
+    tasks: TaskSource,
+    rewards: WeightedRewards,
+    world_size: int,
+) -> dict[str, Any]:
+    """The effective configuration: what run.json records and a resumption must match."""
+    return {
+        **dataclasses.asdict(config),
+        **dataclasses.asdict(rollout_config),
+        **dataclasses.asdict(loss_config),
+        "task": tasks.describe(),
+        "rewards": rewards.names,
+        "reward_weights": rewards.weights,
+        "world_size": world_size,
+    }
+
+
+class GRPOTrainer:
+    """GRPO on multi-turn rollouts; see the module docstring for one step."""
+
+    def __init__(
+        self,
+        *,
+        backend: Backend,
+        tasks: TaskSource,
+        groups: parallel.ParallelGroups,
+        tokenizer: Any,
+        config: TrainerConfig | None = None,
+        rollout_config: RolloutConfig | None = None,
+        loss_config: LossConfig | None = None,
+        rewards: Sequence[Callable] | None = None,
+        reward_weights: Sequence[float] | None = None,
+        loss_fn: Callable = batch_loss,
+        run_info: dict | None = None,
+        world_check_timeout_s: float = 1800.0,
+    ):
+        self.config = config = config or TrainerConfig()
+        self.rollout_config = rollout_config or RolloutConfig()
+        self.loss_config = loss_config or LossConfig()
+        self.backend, self.tasks, self.groups, self.tokenizer = backend, tasks, groups, tokenizer
+        self.loss_fn = loss_fn
+        n = self.rollout_config.num_generations
+        if config.batch_size % n:
+            raise ValueError(
+                f"RolloutConfig.num_generations {n} does not fit "
+                f"TrainerConfig.batch_size {config.batch_size}: "
+                "the batch must hold whole groups (a positive multiple of num_generations)"
+            )
+        self.check_micro_batches()
+        if self.loss_config.beta > 0 and not backend.has_reference:
+            raise ValueError(
+                f"LossConfig.beta {self.loss_config.beta} > 0 needs a backend built with reference=True"
+            )
+        self.rollouter = Rollouter(
+            engine=backend.engine,
+            tokenizer=tokenizer,
+            groups=groups,
+            config=self.rollout_config,
+            frozen_seats=tasks.frozen_seats,
+            frozen_engine=backend.frozen_engine,
+        )
+        self.rewards = WeightedRewards(list(rewards or [environment_reward]), reward_weights)
+        # every rank writes into the folder rank 0 names (a fresh one when none is given)
+        chosen = config.output_dir or str(rundir.fresh_name(tasks.name))
+        self.output_dir = Path(parallel.all_gather_object(chosen)[0])
+        described = describe_run(
+            config, self.rollout_config, self.loss_config, tasks, self.rewards, parallel.world_size()
+        )
+        self.run_info = {**described, **(run_info or {}), "output_dir": str(self.output_dir)}
+        self.step, self.skipped_steps, self.resumed = 0, 0, False
+        # a failure on any rank reaches every rank of the world as its named cause, at once
+        self.world_check = parallel.world_check_group(timeout_s=world_check_timeout_s)
+
+    def check_micro_batches(self) -> None:
+        expected = self.backend.micro_batches
+        if expected is None:
+            return
+        per_rank = self.config.batch_size * len(self.tasks.trained_seats)
+        size = self.rollout_config.micro_batch_size or per_rank
+        if math.ceil(per_rank / size) != expected:
+            raise ValueError(
+                f"{math.ceil(per_rank / size)} micro-batches per step ({per_rank} trajectories, "
+                f"micro_batch_size {size}) but the backend steps after {expected}: "
+                "build it for this micro-batch count"
+            )
+
+    # -- the loop ----------------------------------------------------------------------------
+    def train(self) -> list[dict]:
+        """Run (or continue) to `config.steps`; returns the records of the steps run here."""
+        cfg = self.config
+        lock = state.claim_output_dir(self.output_dir, self.run_info, resume=self.resumed)
+        report = Reporter(
+            self.output_dir,
+            reporters=cfg.reporters,
+            total=cfg.steps,
+            start=self.step,
+            enabled=self.groups.rank == 0,
+            run_info=self.run_info,
+        )
+        records = []
+        try:
+            while self.step < cfg.steps:
+                due = cfg.eval_every and self.step % cfg.eval_every == 0
+                evaluated = self.together(self.evaluation) if due else {}
+                rec, rollout = self.train_step()
+                rec = record.json_ready({**rec, **evaluated})
+                report.log(rec)
+                if cfg.log_completions_every and self.step % cfg.log_completions_every == 0:
+                    report.completions(self.step, self.completions(rollout))
+                records.append(rec)
+                self.step += 1
+                if self.step % cfg.save_every == 0 or self.step == cfg.steps:
+                    state.save_checkpoint(self)
+                    report.plot()
+            if cfg.eval_every:  # the weights the run ends with
+                report.log({"step": self.step, **self.together(self.evaluation)})
+        finally:
+            report.close(steps=self.step)
+            if lock is not None:
+                lock.close()
+        return records
+
+    def train_step(self) -> tuple[dict, Rollout]:
+        """One rollout and its `updates_per_rollout` optimizer steps; returns (record, rollout)."""
+        rcfg = self.rollout_config
+        t0 = time.perf_counter()
+        rollout, components = self.together(self.scored_rollout, self.step)
+        shared = self.share_over_tp(rollout)
+        t1 = time.perf_counter()
+        batches = micro_batches(
+            shared,
+            micro_batch_size=rcfg.micro_batch_size,
+            layout=self.backend.layout,
+            pad_to_multiple=self.backend.pad_to_multiple,
+            pad_id=pad_id(self.tokenizer),
+        )
+        metrics = update(self, batches, shared)
+        t2 = time.perf_counter()
+        rec = {
+            "step": self.step,
+            **record.rollout_figures(shared, components, self.groups.dp),
+            **record.train_figures(metrics, skipped_steps=self.skipped_steps),
+            "rollout_s": round(t1 - t0, 3),
+            "train_s": round(t2 - t1, 3),
+        }
+        return rec, rollout
+
+    def together(self, fn: Callable, *args: Any) -> Any:
+        """`fn(*args)`, then the world agrees that no rank failed (`parallel.check_world`).
+
+        A rank whose rollout raised (its environment, its reward function) would otherwise leave
+        ranks that vote alone (TP=1 x DP=2) to fail later with a transport error naming nothing.
+        """
+        error, out = None, None
+        try:
+            out = fn(*args)
+        except Exception as exc:  # reported to every rank, re-raised below as WorldFailure
+            error = exc
+        parallel.check_world(error, self.world_check)
+        return out
+
+    def scored_rollout(self, step: int) -> tuple[Rollout, dict[str, list[float]]]:
+        """This rank's rollout of `step` with rewards and advantages set, and each reward's values."""
+        cfg, rcfg = self.config, self.rollout_config
+        seed = mix_seed(rcfg.seed, step, self.groups.rank)
+        rows = self.tasks.rows(cfg.batch_size // rcfg.num_generations, seed=seed)
+        rollout = self.tasks.run(self.rollouter, rows, step)
+        totals, components = self.rewards.score(rollout.trajectories, rollout.rows)
+        for t, r in zip(rollout.trajectories, totals, strict=True):
+            t.reward = r
+        rollout.advantages, rollout.keep = rollout_advantages(rollout.trajectories, rcfg)
+        return rollout, components
+
+    def share_over_tp(self, rollout: Rollout) -> Rollout:
+        """Under TP every rank of a TP group trains on the same samples: the group's union.
+
+        Conversations stay local (they hold engines, which hold process groups), and so do the
+        rows (a task may hold an unpicklable environment): rewards are already set.
+        """
+        if self.groups.tp_size == 1:
+            return rollout
+        mine = (rollout.trajectories, rollout.advantages, rollout.keep)
+        parts = parallel.all_gather_object(mine, group=self.groups.tp)
+        trajectories = [t for p in parts for t in p[0]]
+        return Rollout(
+            trajectories=trajectories,
+            rows=[None] * len(trajectories),
+            advantages=torch.cat([p[1] for p in parts]),
+            keep=torch.cat([p[2] for p in parts]),
+        )
+
+    def evaluation(self) -> dict[str, float]:
+        """The task's held-out rows with the current weights (collective): `eval/...` figures."""
+        seed = mix_seed(self.rollout_config.seed, _EVAL_SEED, self.groups.rank)  # the same rows every time
+        rows = self.tasks.eval_rows(self.config.eval_size, seed=seed)
+        if not parallel.all_gather_object(bool(rows))[0]:
+            return {}
+        rollout = self.tasks.evaluate(self.rollouter, rows, self.step)
+        totals, _ = self.rewards.score(rollout.trajectories, rollout.rows)
+        for t, r in zip(rollout.trajectories, totals, strict=True):
+            t.reward = r
+        return record.evaluation_figures(rollout)
+
+    def completions(self, rollout: Rollout) -> list[dict]:
+        """A few of this rank's trajectories as text, for completions.jsonl."""
+        out = []
+        for t, a in list(zip(rollout.trajectories, rollout.advantages.tolist()))[
+            : self.config.log_completions
+        ]:
+            out.append(
+                {
+                    "conversation": t.infos.get("conversation"),
+                    "seat": t.participant,
+                    "reward": float(t.reward),
+                    "advantage": a,
+                    "status": t.status.value,
+                    "finish_reasons": [s.finish_reason for s in t.turns],
+                    "text": self.tokenizer.decode(t.token_ids),
+                }
+            )
+        return out
+
+    # -- checkpoints --------------------------------------------------------------------------
+    @property
+    def checkpoint_root(self) -> Path:
+        return self.output_dir / "checkpoints"
+
+    def resume(self) -> int:
+        """Continue from the newest intact checkpoint, if any; returns the step to start from."""
+        self.resumed = True
+        return state.resume(self)
+
+    def export_hf(self, out_dir: str | Path) -> Path:
+        return self.backend.export_hf(out_dir)

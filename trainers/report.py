@@ -1,0 +1,169 @@
+"""Rank 0's view of a run: metrics to jsonl / tensorboard / wandb, sample completions, the plot,
+a progress bar and one end-of-run summary line. Every logger gets the same keys.
+
+Files in the output folder: `metrics.jsonl` (one object per step; on resume, steps past the
+checkpoint are dropped first), `completions.jsonl`, `reward.png`, `tensorboard/` and `wandb/`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .plot import plot_run
+
+METRICS_FILE, COMPLETIONS_FILE, PLOT_FILE = "metrics.jsonl", "completions.jsonl", "reward.png"
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not Path(path).is_file():
+        return []
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def _truncate(path: Path, start: int) -> None:
+    """Keep the records of steps before `start`: a killed run may have logged steps it redoes."""
+    kept = [r for r in read_jsonl(path) if r["step"] < start]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    os.replace(tmp, path)
+
+
+class Reporter:
+    """Writes what rank 0 sees; on other ranks every method does nothing."""
+
+    def __init__(
+        self,
+        output_dir: Path,
+        *,
+        reporters: list[str],
+        total: int,
+        start: int,
+        enabled: bool,
+        run_info: dict[str, Any] | None = None,
+    ):
+        self.out, self.enabled, self.total, self.start = Path(output_dir), enabled, total, start
+        self.t0 = time.perf_counter()
+        self.tb = self.wandb = self.bar = None
+        if not enabled:
+            return
+        self.out.mkdir(parents=True, exist_ok=True)
+        for name in (METRICS_FILE, COMPLETIONS_FILE):
+            _truncate(self.out / name, start)
+        if "tensorboard" in reporters:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=str(self.out / "tensorboard"), purge_step=start)
+        if "wandb" in reporters:
+            import wandb
+
+            # offline unless the user set WANDB_MODE or has an API key: no network needed
+            mode = os.environ.get("WANDB_MODE") or (
+                "online" if os.environ.get("WANDB_API_KEY") else "offline"
+            )
+            self.wandb = wandb.init(
+                project=os.environ.get("WANDB_PROJECT", "interlens_mcore"),
+                name=self.out.name,
+                dir=str(self.out),
+                config=run_info or {},
+                mode=mode,
+                resume="allow",
+                id=self.out.name.replace(".", "-"),
+            )
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, initial=start, desc="grpo", dynamic_ncols=True, file=sys.stderr)
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        with (self.out / METRICS_FILE).open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        step = record["step"]
+        numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+        if self.tb is not None:
+            for key, value in numbers.items():
+                self.tb.add_scalar(key, value, step)
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(numbers, step=step)
+        if "reward_mean" in record:
+            shown = {"reward": ("reward_mean", 3), "kl": ("kl", 4), "is_w": ("is_weight_mean", 3)}
+            shown.update({"eval": ("eval/success_rate", 2)} if "eval/success_rate" in record else {})
+            self.bar.set_postfix({name: _fmt(record.get(k), d) for name, (k, d) in shown.items()})
+            self.bar.update(1)
+
+    def completions(self, step: int, samples: list[dict]) -> None:
+        """Full trajectories of one step (text, reward, advantage, per-turn finish reasons)."""
+        if not self.enabled or not samples:
+            return
+        with (self.out / COMPLETIONS_FILE).open("a") as f:
+            for s in samples:
+                f.write(json.dumps({"step": step, **s}) + "\n")
+        rows = [[s["seat"], f"{s['reward']:.3f}", f"{s['advantage']:.3f}", s["text"]] for s in samples]
+        if self.tb is not None:
+            table = "| seat | reward | advantage | text |\n|---|---|---|---|\n"
+            table += "".join("| " + " | ".join(_cell(c) for c in row) + " |\n" for row in rows)
+            self.tb.add_text("completions", table, step)
+        if self.wandb is not None:
+            import wandb
+
+            self.wandb.log(
+                {"completions": wandb.Table(columns=["seat", "reward", "advantage", "text"], data=rows)},
+                step=step,
+            )
+
+    def plot(self) -> None:
+        if self.enabled:
+            plot_run(read_jsonl(self.out / METRICS_FILE), self.out / PLOT_FILE)
+
+    def close(self, *, steps: int) -> str | None:
+        """Final plot, loggers closed; returns (and prints) the one-line summary."""
+        if not self.enabled:
+            return None
+        self.bar.close()
+        self.plot()
+        records = read_jsonl(self.out / METRICS_FILE)
+        line = summary(records, out=self.out, steps=steps, wall_s=time.perf_counter() - self.t0)
+        print(line, file=sys.stderr)
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        return line
+
+
+def summary(records: list[dict], *, out: Path, steps: int, wall_s: float) -> str:
+    """`done: N steps in T; reward first/last 10 %: a -> b; eval/success_rate: c -> d; outputs in DIR`."""
+    train = [r["reward_mean"] for r in records if r.get("reward_mean") is not None]
+    parts = [f"done: {steps} steps in {_duration(wall_s)} (this process)"]
+    if train:
+        k = max(1, len(train) // 10)
+        parts.append(f"reward_mean first/last 10 %: {_mean(train[:k]):.3f} -> {_mean(train[-k:]):.3f}")
+    evals = [r["eval/success_rate"] for r in records if r.get("eval/success_rate") is not None]
+    if evals:
+        parts.append(f"eval/success_rate: {evals[0]:.3f} -> {evals[-1]:.3f}")
+    parts.append(f"outputs in {out}")
+    return "; ".join(parts)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _duration(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    return f"{m} min {s} s" if m else f"{s} s"
+
+
+def _fmt(value: float | None, digits: int) -> str:
+    return "-" if value is None or not math.isfinite(value) else f"{value:.{digits}f}"
+
+
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", "<br>")

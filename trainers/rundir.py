@@ -1,0 +1,103 @@
+"""A run's output folder: who may write into it, and what `run.json` says about the run.
+
+The same rules hold for the command line and for a trainer built in Python: a folder holds
+nothing, or one run. Writing into a folder that holds another run needs `resume`, and resuming
+with options that change the run is refused, naming each changed option with its old and new
+value; nothing already written is ever truncated. Options that only say how long, where, or how
+often to write (`RESUMABLE`) may change between a run and its resumption: `--resume --steps N`
+with a larger N extends a finished run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+from typing import Any
+
+RUN_FILE, LOCK_FILE = "run.json", ".lock"
+RESUMABLE = {
+    "steps",
+    "output_dir",
+    "save_every",
+    "save_total_limit",
+    "report_to",
+    "log_completions_every",
+    "log_completions",
+    "eval_every",
+    "resume",
+    "export_hf",
+    "tp",  # checkpoints are sharded and reshard: a run saved at TP=2 resumes at TP=1
+}
+
+
+class RunDirError(ValueError):
+    """The output folder cannot take this run (the message names --output-dir and the reason)."""
+
+
+def fresh_name(task: str, root: Path = Path("runs")) -> Path:
+    """`runs/<task>-<timestamp>`, with a suffix if that already exists."""
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in task)
+    out, k = root / f"{safe}-{stamp}", 1
+    while out.exists():
+        out, k = root / f"{safe}-{stamp}.{k}", k + 1
+    return out
+
+
+def identity(run: dict[str, Any]) -> dict[str, Any]:
+    """The options that define a run (resuming must not change them)."""
+    return {k: v for k, v in run.items() if k not in RESUMABLE}
+
+
+def check(out: Path, run: dict[str, Any], *, resume: bool) -> None:
+    """Raise RunDirError unless `out` may take `run` (reads only)."""
+    if out.exists() and not out.is_dir():
+        raise RunDirError(f"--output-dir {out}: exists and is not a folder")
+    info = out / RUN_FILE
+    if not info.is_file():
+        if out.is_dir() and any(p.name != LOCK_FILE for p in out.iterdir()):
+            raise RunDirError(f"--output-dir {out}: holds files that are not a run of this trainer")
+        return
+    if not resume:
+        raise RunDirError(
+            f"--output-dir {out}: holds another run; pass --resume to continue it "
+            "(or --resume with a larger --steps to extend it), or choose an empty folder"
+        )
+    old, new = identity(json.loads(info.read_text())), identity(run)
+    changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    if changed:
+        said = "; ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed)
+        raise RunDirError(
+            f"--output-dir {out}: --resume with different options: {', '.join(changed)} ({said}); "
+            "start a new run in another folder to change them"
+        )
+
+
+def claim(out: Path, run: dict[str, Any], *, resume: bool):
+    """Check, take `.lock` for this process's lifetime, write `run.json`; returns the lock handle.
+
+    A run whose launcher was killed may leave workers running (torchrun starts them in their
+    own sessions); a second run writing into the same folder would interleave with them. The
+    kernel drops the lock when its holder dies, so a killed run never blocks its resumption.
+    """
+    import fcntl
+
+    check(out, run, resume=resume)
+    out.mkdir(parents=True, exist_ok=True)
+    handle = (out / LOCK_FILE).open("w")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise RunDirError(
+            f"--output-dir {out}: another process is still writing to it (.lock is held)"
+        ) from None
+    write_json_atomic(out / RUN_FILE, run)
+    return handle
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str))
+    tmp.replace(path)

@@ -1,0 +1,112 @@
+"""The optimizer updates of one step: micro-batches through the loss, backward, one guarded step.
+
+Collective over the DP group (denominators, metrics) and, through the backend, over TP: every
+rank makes the same number of forward/backward calls, a rank without rows joining with a
+zero-weighted placeholder batch so the gradient all-reduce stays aligned.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from interlens_mcore import parallel
+from interlens_mcore.batch import TrainingBatch, build_batch
+from interlens_mcore.loss import empty_metrics, finalize_metrics, merge_metrics
+from interlens_mcore.loss_mask import denominators, is_weight_sums, loss_token_mask
+from interlens_mcore.rollout import Rollout
+from interlens_mcore.trajectory import Trajectory
+
+# reductions over the DP group by key suffix; every other metric is a sum
+_REDUCE = {"/max": "max", "/min": "min"}
+
+
+def update(trainer: Any, batches: list[TrainingBatch | None], rollout: Rollout) -> dict[str, float]:
+    """`updates_per_rollout` optimizer steps on `batches`; returns the finalized metrics."""
+    backend, groups, cfg = trainer.backend, trainer.groups, trainer.loss_config
+    placeholder = _placeholder(rollout, backend)
+    updates = trainer.config.updates_per_rollout
+    refs = [backend.logprobs_of(b, reference=True) if b and cfg.beta > 0 else None for b in batches]
+    # Which tokens stay in the loss (non-finite logprobs and rejection rules remove some) must be
+    # known before the first backward, since both global denominators leave them out. With one
+    # micro-batch and one update, the forward of the update itself decides; otherwise a no-grad
+    # pass over every micro-batch does (its logprobs are also the old policy's).
+    # (`single` depends on the config alone: every rank takes the same path, collectives aligned)
+    single = len(batches) == 1 and updates == 1
+    if single:
+        first = backend.logprobs_of(batches[0] or placeholder)
+        old = [first.detach() if batches[0] else None]
+    else:
+        with torch.no_grad():
+            old = [backend.logprobs_of(b).detach() if b else None for b in batches]
+    masks = [loss_token_mask(b, o, cfg, ref_logprobs=r) if b else None for b, o, r in zip(batches, old, refs)]
+    counts = torch.zeros(4, dtype=torch.float64)  # loss tokens, samples, IS weight sum, corrected tokens
+    for b, o, m in zip(batches, old, masks):
+        if b is not None:
+            counts[:2] += denominators(m, b)
+            if cfg.is_batch_normalize:
+                counts[2:] += is_weight_sums(b, o, m, cfg)
+    # global denominators: the loss of every micro-batch on every DP rank sums to the mean
+    num_tokens, num_sequences, w_sum, w_count = parallel.all_reduce(counts, group=groups.dp).tolist()
+    if num_tokens == 0:  # nothing trainable anywhere (e.g. every group dropped or rejected)
+        return {"grad_norm": 0.0, "skipped": 1.0, "step_skipped": 0.0}
+    extra = {"is_weight_mean": w_sum / w_count if w_count else 1.0} if cfg.is_batch_normalize else {}
+    skipped, sums, grad_norm = 0, None, 0.0
+    for k in range(updates):
+        sums = None
+        for i, batch in enumerate(batches):
+            real = batch is not None
+            mb = batch if real else placeholder
+            lp = first if single and k == 0 else backend.logprobs_of(mb)
+            kwargs = {
+                "old_logprobs": old[i] if updates > 1 and real else None,
+                "ref_logprobs": refs[i] if real else (lp.detach() if cfg.beta > 0 else None),
+                "token_mask": masks[i] if real else None,
+                **extra,
+            }
+            loss, metrics = trainer.loss_fn(
+                lp, mb, cfg, num_tokens=num_tokens, num_sequences=num_sequences, **kwargs
+            )
+            # a rank with no rows still joins the gradient all-reduce, contributing zero
+            loss = loss if real else loss * 0.0
+            if not torch.isfinite(loss.detach()):
+                # A non-finite loss need not give non-finite gradients (a NaN added to the
+                # loss has gradient 0). Scaled by NaN, every gradient that depends on the
+                # parameters becomes NaN, even a zero one, and the DP all-reduce spreads it
+                # to every rank, so the backend's one check of the global norm skips the
+                # step everywhere together.
+                loss = loss * float("nan")
+            backend.backward(loss)
+            if real:
+                sums = metrics if sums is None else merge_metrics(sums, metrics)
+        grad_norm = backend.optimizer_step()
+        # the backend did not apply this update (see Backend.optimizer_step): count it
+        skipped += not math.isfinite(grad_norm)
+    trainer.skipped_steps += skipped
+    metrics = reduce_metrics(sums, groups.dp)
+    return {**metrics, "grad_norm": grad_norm, "step_skipped": float(skipped > 0)}
+
+
+def _placeholder(rollout: Rollout, backend: Any) -> TrainingBatch:
+    # stands in for an empty micro-batch so collectives stay aligned; its loss is scaled by 0
+    first = next((t for t in rollout.trajectories if t.num_trained_tokens > 0), None)
+    first = first or Trajectory(token_ids=[0, 0], loss_mask=[0, 1], rollout_logprobs=None)
+    return build_batch([first], [0.0], layout=backend.layout, pad_to_multiple=backend.pad_to_multiple)
+
+
+def reduce_metrics(sums: dict | None, group: Any) -> dict[str, float]:
+    """Sum (max for '/max', min for '/min') the loss metric sums over `group`, then finalize."""
+    if sums is None:  # this rank had nothing; its neutral values still join the reductions
+        sums = empty_metrics()
+    keys = sorted(sums)  # the same key set on every rank, whatever its config
+    merged: dict[str, float] = {}
+    for op in ("sum", "max", "min"):
+        mine = [k for k in keys if _REDUCE.get("/" + k.rsplit("/", 1)[-1], "sum") == op]
+        if not mine:
+            continue
+        values = torch.stack([sums[k].double() for k in mine])
+        parallel.all_reduce(values, op, group)
+        merged.update(zip(mine, values.tolist()))
+    return finalize_metrics(merged)
