@@ -1,6 +1,6 @@
 """Engines side by side in one run: HFEngine, PrefixCachingEngine, MegatronEngine and VLLMEngine.
 
-    .venv-vllm/bin/python benchmarks/bench_engines.py --json   (the environment with vLLM)
+    .venv-vllm/bin/python benchmarks/bench_engines.py --json --plot benchmarks/results/engines.png
 
 For each model (the tiny Qwen2 and a random 12M-parameter Qwen2), 64 conversations x 4 policy
 turns x 32 tokens through `co_step` with each engine; then the exact prompts VLLMEngine got are
@@ -135,6 +135,30 @@ def one_model(name: str, args) -> dict:
     return out
 
 
+def plot(result: dict, out: str) -> None:
+    """Tokens/s of each engine per model, raw vLLM beside them (log scale: the models differ 10x)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    engines = ["hf", "prefix_cache", "megatron", "vllm", "raw_vllm"]
+    models = [m for m in MODELS if m in result]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    width = 0.8 / len(engines)
+    for j, engine in enumerate(engines):
+        rates = [result[m][engine]["tokens_per_s"] for m in models]
+        ax.bar([i + j * width for i in range(len(models))], rates, width, label=engine)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(models))], models)
+    ax.set_yscale("log")
+    ax.set_ylabel("tokens / s")
+    n, turns, tokens = result["conversations"], result["turns"], result["max_new_tokens"]
+    ax.set_title(f"{n} conversations x {turns} turns x {tokens} tokens, through co_step")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(MODELS))
@@ -145,7 +169,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # the per-model child process
     ap.add_argument("--json", action="store_true", help="print only the JSON line")
+    ap.add_argument("--plot", default=None, help="write a bar chart of tokens/s to this PNG")
+    ap.add_argument("--plot-from", default=None, help="only plot an earlier run's JSON file (no run)")
     args = ap.parse_args(argv)
+    if args.plot_from:
+        plot(json.loads(open(args.plot_from).read()), args.plot or args.plot_from.replace(".json", ".png"))
+        return {}
     if args.one:
         print(json.dumps(one_model(args.one, args)), flush=True)
         return {}
@@ -165,6 +194,8 @@ def main(argv: list[str] | None = None) -> dict:
         if proc.returncode or not lines:
             raise RuntimeError(f"bench_engines: model {name!r} failed:\n{proc.stderr[-3000:]}")
         out[name] = json.loads(lines[-1])
+    if args.plot:
+        plot(out, args.plot)
     return emit(out, args.json)
 
 

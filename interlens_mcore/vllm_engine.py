@@ -19,6 +19,16 @@ worker's `reload_weights(weights_iterator=...)` (weight_sync.py yields the tenso
 backend). That needs the engine core in this process: `create` turns vLLM's V1
 multiprocessing off unless the caller already decided.
 
+After every optimizer step, on every rank that holds a vLLM (weight_sync.py):
+
+- Megatron-core: `engine.update_weights(megatron_hf_tensors(model, layout))`, collective over
+  the TP group (every TP rank consumes the stream); vLLM's TP equals the trainer's, or is 1 per
+  rank.
+- DeepSpeed ZeRO-3: `engine.update_weights(zero3_hf_tensors(ds_engine.module))`, collective
+  over the data-parallel group; each rank's vLLM (TP=1) then generates its own rows with no
+  lockstep, unlike `HFEngine` under ZeRO-3.
+- Anything else: `engine.update_weights(hf_tensors(model))`.
+
 Example (each rank, after `torch.distributed` is initialised by torchrun)::
 
     engine = VLLMEngine.create("path/to/hf_model", VLLMConfig(tensor_parallel_size=1))
