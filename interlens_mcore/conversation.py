@@ -329,7 +329,10 @@ class Conversation:
             view.own_turns.append(
                 TurnTokens(start=start, mask=mask, logprobs=m.logprobs, finish_reason=m.finish_reason)
             )
-            view.append(p.chat.close_ids(m.finish_reason))
+            # a turn that ended at a stop string (or a policy's own stop id) has no end-of-turn
+            # token yet: the template's whole tail closes it, as after a cut-off turn
+            closed = bool(m.token_ids) and m.token_ids[-1] in p.chat.stop_token_ids
+            view.append(p.chat.close_ids("stop" if closed else "length"))
         elif m.speaker == p.name:  # edited or injected: rendered text, not sampled, never trained
             view.append(p.chat.message_ids("assistant", m.content))
         else:

@@ -111,10 +111,10 @@ class _CoStep(Driver):
             return None
         cap = c.token_cap()
         cap = p.sampling.max_new_tokens if cap is None else min(cap, p.sampling.max_new_tokens)
-        request = GenerationRequest(
-            prompt_ids=prompt,
+        # every sampling option of the policy (top-p/k, penalties, stop strings and ids) rides along
+        request = p.sampling.request(
+            prompt,
             max_new_tokens=min(cap, room),
-            temperature=p.sampling.temperature,
             seed=mix_seed(self.group_seed, c.seed, c.turns_taken, c.lineup.index(p)),
             stop_token_ids=p.chat.stop_token_ids,
             tag=c.id,

@@ -9,41 +9,111 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from . import parallel
-from .sampling import sample_full_vocab
+from .sampling import BatchSampling
 
 
 @dataclass(frozen=True, kw_only=True)
-class SamplingParams:
-    """How a participant samples. temperature 0 means greedy."""
+class SamplingOptions:
+    """How tokens are drawn, with vLLM's meanings (shared by SamplingParams and GenerationRequest).
 
-    temperature: float = 1.0
+    Order of application: repetition / presence / frequency penalties on the raw logits, then
+    temperature, min-p, top-k and top-p, then a sample from the renormalised survivors. Greedy
+    rows (temperature 0) ignore the filters. Logprobs are those of the distribution actually
+    sampled from (penalised, scaled, filtered, renormalised), so IS correction divides by the
+    true behaviour policy.
+    """
+
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0  # keep the most likely tokens holding at least this mass; 1: off
+    top_k: int = 0  # keep the k most likely tokens (ties included); 0 or -1: off
+    min_p: float = 0.0  # keep tokens at least this fraction as likely as the most likely one
+    repetition_penalty: float = 1.0  # > 1 discourages tokens seen in the prompt or output
+    presence_penalty: float = 0.0  # subtracted once from every token already sampled, in [-2, 2]
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the sampled ids, in [-2, 2]
+    stop: tuple[str, ...] = ()  # the turn ends at the first match in the decoded text
+    stop_token_ids: tuple[int, ...] = ()  # the turn ends when one of these is sampled
+
+    def __post_init__(self) -> None:
+        where = self._where()
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.top_k == -1:  # vLLM's older spelling of "off"
+            object.__setattr__(self, "top_k", 0)
+        checks = [
+            ("temperature", self.temperature >= 0, ">= 0"),
+            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+            ("top_k", self.top_k >= 0, "0 or -1 (off), or >= 1"),
+            ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
+            ("repetition_penalty", self.repetition_penalty > 0, "> 0"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
+        ]
+        for name, ok, expected in checks:
+            if not ok:
+                raise ValueError(f"{where}.{name} must be {expected}, got {getattr(self, name)}")
+        if not all(isinstance(x, str) and x for x in stop):
+            raise ValueError(f"{where}.stop must hold non-empty strings, got {list(stop)}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"{where}.stop_token_ids must be token ids >= 0, got {self.stop_token_ids}")
+
+    def _where(self) -> str:
+        return type(self).__name__
+
+    def options(self) -> dict[str, Any]:
+        """The sampling options as keyword arguments (for another SamplingOptions)."""
+        return {f.name: getattr(self, f.name) for f in fields(SamplingOptions)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams(SamplingOptions):
+    """How a participant samples: the options above and a per-turn token cap.
+
+    Example::
+
+        SamplingParams(temperature=0.8, top_p=0.95, stop=["</answer>"], max_new_tokens=128)
+    """
+
     max_new_tokens: int = 64
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        super().__post_init__()
         if self.max_new_tokens < 1:
             raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
+    def request(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        seed: int,
+        max_new_tokens: int | None = None,
+        stop_token_ids: Sequence[int] = (),
+        tag: str = "",
+    ) -> GenerationRequest:
+        """A generation row with these options; `stop_token_ids` (the chat's) join the policy's own."""
+        options = self.options()
+        options["stop_token_ids"] = tuple(dict.fromkeys([*stop_token_ids, *self.stop_token_ids]))
+        cap = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        return GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=cap, seed=seed, tag=tag, **options)
+
 
 @dataclass(frozen=True, kw_only=True)
-class GenerationRequest:
-    """One row of a generate call."""
+class GenerationRequest(SamplingOptions):
+    """One row of a generate call: a prompt, a token cap, a seed and the sampling options."""
 
     prompt_ids: Sequence[int]
     max_new_tokens: int
-    temperature: float = 1.0
     seed: int = 0
-    stop_token_ids: tuple[int, ...] = ()
     tag: str = ""  # names the row in errors (e.g. the conversation id)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if len(self.prompt_ids) == 0:
             raise ValueError(f"GenerationRequest {self.tag!r}: prompt_ids is empty")
         if self.max_new_tokens < 0:
@@ -51,14 +121,18 @@ class GenerationRequest:
                 f"GenerationRequest {self.tag!r}: max_new_tokens must be >= 0, got {self.max_new_tokens}"
             )
 
+    def _where(self) -> str:
+        return f"GenerationRequest {self.tag!r}"
+
 
 @dataclass(kw_only=True)
 class Generation:
     """What one row produced."""
 
     token_ids: list[int]  # sampled ids, verbatim, including a final stop token if one came
-    logprobs: list[float]  # logprob of each sampled id under the temperature-scaled distribution
-    finish_reason: str  # "stop" (a stop token was sampled) or "length" (the cap was reached)
+    # logprob of each sampled id under the distribution it was drawn from (SamplingOptions)
+    logprobs: list[float]
+    finish_reason: str  # "stop" (a stop id or stop string came) or "length" (the cap was reached)
 
 
 @runtime_checkable
@@ -199,9 +273,6 @@ class HFEngine:
             mask[i, width - lens[i] :] = 1
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, T] each row starts at 0
-        temps = torch.tensor([r.temperature for r in requests], dtype=torch.float32)
-        seeds = torch.tensor([r.seed for r in requests], dtype=torch.int64)
-        stops = [set(r.stop_token_ids) for r in requests]
         cap_t = torch.tensor(caps)
 
         out_ids: list[list[int]] = [[] for _ in range(b)]
@@ -212,18 +283,24 @@ class HFEngine:
         logits = self._forward(
             input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache
         ).logits[:, -1]  # [B, V]
+        sampler = BatchSampling(
+            requests,
+            vocab_start=0,
+            vocab_width=logits.shape[-1],
+            tokenizer=self.tokenizer,
+            owner=f"engine {self.name!r}",
+        )
         next_pos = positions[:, -1] + 1  # [B]
         step = 0
         running = self._anyone(active, synced)
         while running:
-            tokens, logp = sample_full_vocab(
-                logits.float().cpu(), temps, seeds, torch.full((b,), step, dtype=torch.int64)
-            )
-            tok_list, lp_list = tokens.tolist(), logp.tolist()
-            for i in torch.nonzero(active).flatten().tolist():
-                out_ids[i].append(tok_list[i])
-                out_lp[i].append(lp_list[i])
-                if tok_list[i] in stops[i]:
+            rows = torch.nonzero(active).flatten()  # [A] only the rows still decoding sample
+            picked, logp = sampler.sample(logits.float().cpu()[rows], rows, step)
+            tokens = torch.full((b,), self.pad_id, dtype=torch.long).index_copy(0, rows, picked)
+            for i, tok, lp in zip(rows.tolist(), picked.tolist(), logp.tolist(), strict=True):
+                out_ids[i].append(tok)
+                out_lp[i].append(lp)
+                if sampler.record(i, tok, out_ids[i]):
                     reasons[i] = "stop"
                     active[i] = False
             step += 1

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .chat import ChatFormat
-from .engine import Engine, GenerationRequest, SamplingParams
+from .engine import Engine, SamplingParams
 from .lockstep import check_temperature
 from .sampling import mix_seed
 from .trajectory import Status, TrainTurns, Trajectory, TurnTokens, assemble, logprobs_fit
@@ -357,11 +357,10 @@ class EngineRollout:
         room = [self.engine.max_context - len(r.prompt_ids) for r in requests]
         fits = [i for i, r in enumerate(requests) if room[i] > 0]
         rows = [
-            GenerationRequest(
-                prompt_ids=requests[i].prompt_ids,
-                max_new_tokens=min(config.max_new_tokens, room[i]),
-                temperature=config.temperature,
+            config.request(
+                requests[i].prompt_ids,
                 seed=mix_seed(self.seed, requests[i].index, requests[i].turn),
+                max_new_tokens=min(config.max_new_tokens, room[i]),
                 stop_token_ids=self.chat.stop_token_ids,
                 tag=f"request {requests[i].index}",
             )

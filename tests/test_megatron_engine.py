@@ -37,6 +37,24 @@ def _requests() -> list[GenerationRequest]:
     ]
 
 
+def _filtered_requests() -> list[GenerationRequest]:
+    """Rows with the sampling options: filters, penalties, stop strings (one option mix per row)."""
+    mixes = [
+        {"top_k": 7},
+        {"top_p": 0.6, "temperature": 1.3},
+        {"min_p": 0.3, "top_k": 40},
+        {"repetition_penalty": 1.4, "presence_penalty": 0.5, "frequency_penalty": 0.3, "top_p": 0.9},
+        {"temperature": 0.0, "repetition_penalty": 2.0},
+        {"stop": ("a", "e", "1")},
+    ]
+    return [
+        GenerationRequest(
+            prompt_ids=[5 + i, 9, 33, 2, 100 + i], max_new_tokens=12, seed=40 + i, tag=f"f{i}", **m
+        )
+        for i, m in enumerate(mixes)
+    ]
+
+
 GREEDY_PROMPTS = [[5, 9, 33, 2, 100, 7], [1, 2, 3, 4], [260, 261, 262]]
 
 
@@ -50,6 +68,8 @@ def _load(path):
 
 
 def _tp2_checks(rank: int, path: str) -> dict:
+    from transformers import AutoTokenizer
+
     from interlens_mcore import parallel
     from interlens_mcore.megatron.engine import MegatronEngine
     from interlens_mcore.megatron.kv_cache import supports_kv_cache
@@ -67,6 +87,8 @@ def _tp2_checks(rank: int, path: str) -> dict:
         for p in GREEDY_PROMPTS
     ]
     out["greedy"] = engine.generate(greedy[:2] if rank == 0 else greedy[2:])
+    filtered = MegatronEngine(model, layout, tokenizer=AutoTokenizer.from_pretrained(path))
+    out["filtered"] = filtered.generate(_filtered_requests()[:2] if rank == 0 else _filtered_requests()[2:])
     out["forward_s"], out["forwards"] = engine.stats.forward_s, engine.stats.forwards
     short = MegatronEngine(model, layout, max_context=16)  # group None: the world (= TP group)
     long_row = GenerationRequest(prompt_ids=list(range(20)), max_new_tokens=4, tag="too-long")
@@ -90,6 +112,13 @@ def _engine_job(rank, world_size, path: str):
     try:
         model, layout = _load(path)
         out["tp1"] = MegatronEngine(model, layout, group=parallel.megatron_tp_group()).generate(_requests())
+        tok = AutoTokenizer.from_pretrained(path)
+        tp1 = MegatronEngine(model, layout, group=parallel.megatron_tp_group(), tokenizer=tok)
+        out["tp1_filtered"] = tp1.generate(_filtered_requests())
+        try:
+            MegatronEngine(model, layout, group=parallel.megatron_tp_group()).generate(_filtered_requests())
+        except ValueError as exc:
+            out["no_tokenizer_error"] = str(exc)
     finally:
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
@@ -100,6 +129,7 @@ def _engine_job(rank, world_size, path: str):
     if rank == 0:
         hf = AutoModelForCausalLM.from_pretrained(path).eval()
         out["hf_engine"] = HFEngine(hf, AutoTokenizer.from_pretrained(path)).generate(_requests())
+        out["hf_filtered"] = HFEngine(hf, AutoTokenizer.from_pretrained(path)).generate(_filtered_requests())
         with torch.no_grad():
             out["hf_greedy"] = [
                 hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, eos_token_id=2)[
@@ -129,6 +159,18 @@ def test_tp2_sampling_equals_tp1_token_for_token(ranks):
     for a, b in zip(tp2, r0["tp1"], strict=True):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
     assert sum(len(g.token_ids) for g in tp2) > 60  # the comparison covers many sampled tokens
+
+
+def test_sampling_options_tp2_equals_tp1_and_hf_engine(ranks):
+    r0, r1 = ranks
+    tp2 = r0["filtered"] + r1["filtered"]
+    assert _tokens(tp2) == _tokens(r0["tp1_filtered"]) == _tokens(r1["tp1_filtered"])
+    assert _tokens(r0["hf_filtered"]) == _tokens(tp2)
+    for a, b in zip(tp2, r0["hf_filtered"], strict=True):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    stopped = tp2[-1]  # stop strings: the first match ends the turn, the ids stay verbatim
+    assert stopped.finish_reason == "stop" and len(stopped.token_ids) < 12
+    assert "'f5'" in r0["no_tokenizer_error"] and "tokenizer=" in r0["no_tokenizer_error"]
 
 
 def test_kv_cache_equals_full_recompute(ranks):

@@ -7,10 +7,11 @@ TP group itself, or TP x PP x CP ranks sharing a DP index) so that every rank of
 runs the forward on identical inputs.
 
 Sampling never gathers the vocabulary: each TP rank perturbs its logit shard with the
-counter-based Gumbel noise of `sampling.perturbed_scores` (the noise of a token depends only
-on the row's seed, the step and the token id), takes its local maximum, and one max all-reduce
-picks the token, so TP=2 samples exactly what TP=1 samples for the same seeds. Logprobs come
-from a vocab-parallel log-sum-exp.
+counter-based Gumbel noise of `sampling.gumbel_noise` (the noise of a token depends only on
+the row's seed, the step and the token id), takes its local maximum, and one max all-reduce
+picks the token, so TP=2 samples exactly what TP=1 samples for the same seeds. Top-k and
+top-p thresholds come from per-shard candidates (sampling.py); logprobs from a vocab-parallel
+log-sum-exp over the tokens the filters kept. Stop strings need `tokenizer`.
 
 With the CPU layer spec (`SDPACoreAttention` applying RoPE itself) the engine keeps a
 key/value cache (kv_cache.py): one packed prefill of the prompts, then one token per active
@@ -31,9 +32,24 @@ import torch
 
 from .. import parallel
 from ..engine import EngineStats, Generation, GenerationRequest, check_context
-from ..sampling import perturbed_scores
+from ..sampling import BatchSampling, Filters, VocabShard, sample
 from .kv_cache import KVCache, attached, supports_kv_cache
 from .model import ModelLayout, forward_logits, vocab_start
+
+
+def vocab_shard(start: int, group: Any = None, comm_device: torch.device | None = None) -> VocabShard:
+    """The `VocabShard` of this TP rank: collectives over `group`, reduced on `comm_device`.
+
+    comm_device: where the group reduces (a CUDA device for NCCL groups; default: CPU).
+    """
+
+    def reduce(x: torch.Tensor, op: str) -> torch.Tensor:
+        return parallel.all_reduce(x.to(comm_device or x.device), op, group).to(x.device)
+
+    def gather(x: torch.Tensor) -> list[torch.Tensor]:
+        return [y.to(x.device) for y in parallel.all_gather_tensor(x.to(comm_device or x.device), group)]
+
+    return VocabShard(start=start, reduce=reduce, gather=gather)
 
 
 def sample_vocab_parallel(
@@ -44,34 +60,15 @@ def sample_vocab_parallel(
     start: int,
     group: Any = None,
     comm_device: torch.device | None = None,
+    filters: Filters | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row from vocab-sharded logits; collective over the TP `group`.
 
     logits: [B, V_local] (CPU) for global ids [start, start + V_local), padded ids already
     -inf. Returns (token ids [B], logprobs [B]) identical on every rank, with the semantics of
-    `sampling.sample_full_vocab`: greedy rows (T == 0) report the logprob under T = 1.
-    comm_device: where the group reduces (a CUDA device for NCCL groups; default: CPU).
+    `sampling.sample` (filters included, computed from per-shard candidates).
     """
-
-    def reduce(x: torch.Tensor, op: str) -> torch.Tensor:
-        return parallel.all_reduce(x.to(comm_device or x.device), op, group).to(x.device)
-
-    width = logits.shape[-1]
-    scores = perturbed_scores(logits, temperatures, seeds, steps, vocab_start=start)  # [B, V_local]
-    local_best, local_idx = scores.max(dim=-1)  # first index on ties within the shard
-    best = reduce(local_best.clone(), "max")
-    # ties across shards go to the lowest global id, as argmax over the full vocabulary does
-    no_claim = torch.full_like(local_idx, torch.iinfo(torch.int64).max)
-    tokens = reduce(torch.where(local_best == best, local_idx + start, no_claim), "min")  # [B]
-
-    t = torch.where(temperatures <= 0, torch.ones_like(temperatures), temperatures)
-    scaled = logits.float() / t[:, None]  # [B, V_local]
-    row_max = reduce(scaled.max(dim=-1).values, "max")  # [B]
-    owned = (tokens >= start) & (tokens < start + width)
-    picked = scaled.gather(-1, (tokens - start).clamp(0, width - 1)[:, None]).squeeze(-1)
-    sums = torch.stack([(scaled - row_max[:, None]).exp().sum(-1), torch.where(owned, picked, 0.0)])
-    sums = reduce(sums, "sum")  # [2, B]: softmax denominators, picked logits
-    return tokens, sums[1] - row_max - sums[0].log()
+    return sample(logits, temperatures, seeds, steps, filters, vocab_shard(start, group, comm_device))
 
 
 @dataclass
@@ -92,6 +89,7 @@ class MegatronEngine:
     max_context: int = 0  # 0: the layout's max_position
     use_kv_cache: bool = True  # where the model supports it (CPU spec); else full recompute
     stats: EngineStats = field(default_factory=EngineStats)
+    tokenizer: Any = None  # decodes sampled ids for stop strings (requests with `stop` need one)
 
     def __post_init__(self) -> None:
         if not self.max_context:
@@ -143,15 +141,14 @@ class MegatronEngine:
     ) -> list[Generation]:
         b = len(requests)
         seqs = [list(r.prompt_ids) for r in requests]
-        temps = torch.tensor([r.temperature for r in requests], dtype=torch.float32)
-        seeds = torch.tensor([r.seed for r in requests], dtype=torch.int64)
-        stops = [set(r.stop_token_ids) for r in requests]
         out_ids: list[list[int]] = [[] for _ in range(b)]
         out_lp: list[list[float]] = [[] for _ in range(b)]
         reasons = ["length"] * b
         active = [i for i in range(b) if caps[i] > 0]
         start = vocab_start(self.layout)
         device = next(self.model.parameters()).device  # the TP group's backend reduces there
+        shard = vocab_shard(start, self.tp_group, device)
+        sampler: BatchSampling | None = None  # built at the first logits, which give the shard width
         step = 0
         while active:
             if cache is None:  # recompute every active row from its first token
@@ -159,17 +156,21 @@ class MegatronEngine:
             else:  # the prompts once, then each row's newest token
                 cache.select(active)
                 logits = self._forward_last([seqs[i][-1:] if step else seqs[i] for i in active], cache)
-            rows = torch.tensor(active)
-            steps = torch.full((len(active),), step, dtype=torch.int64)
-            tokens, logp = sample_vocab_parallel(
-                logits, temps[rows], seeds[rows], steps, start, self.tp_group, comm_device=device
-            )
+            if sampler is None:
+                sampler = BatchSampling(
+                    requests,
+                    vocab_start=start,
+                    vocab_width=logits.shape[-1],
+                    tokenizer=self.tokenizer,
+                    owner=f"engine {self.name!r}",
+                )
+            tokens, logp = sampler.sample(logits, torch.tensor(active), step, shard)
             still = []
             for i, tok, lp in zip(active, tokens.tolist(), logp.tolist(), strict=True):
                 out_ids[i].append(tok)
                 out_lp[i].append(lp)
                 seqs[i].append(tok)
-                if tok in stops[i]:
+                if sampler.record(i, tok, out_ids[i]):
                     reasons[i] = "stop"
                 elif len(out_ids[i]) < caps[i]:
                     still.append(i)
