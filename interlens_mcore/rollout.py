@@ -13,6 +13,7 @@ same samples.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +41,21 @@ class RolloutConfig:
 
     num_generations: int = field(default=8, metadata={"help": "samples per prompt: one advantage group"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature of every policy turn"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass (1: off)"})
+    top_k: int = field(default=0, metadata={"help": "sample among the k most likely tokens (0: off)"})
+    min_p: float = field(
+        default=0.0, metadata={"help": "drop tokens below this fraction of the top one's probability"}
+    )
+    repetition_penalty: float = field(default=1.0, metadata={"help": "> 1 discourages tokens already seen"})
+    presence_penalty: float = field(
+        default=0.0, metadata={"help": "subtracted once per token already sampled"}
+    )
+    frequency_penalty: float = field(
+        default=0.0, metadata={"help": "subtracted per occurrence in the output"}
+    )
+    stop: list[str] = field(
+        default_factory=list, metadata={"help": "strings that end a policy turn (kept in the turn)"}
+    )
     max_new_tokens: int = field(default=6, metadata={"help": "token cap of one policy turn"})
     max_batch_size: int | None = field(
         default=None, metadata={"help": "rows per engine call (default: all of a round's rows)"}
@@ -80,8 +96,18 @@ class RolloutConfig:
 
     @property
     def sampling(self) -> SamplingParams:
-        """The sampling settings of every policy turn."""
-        return SamplingParams(temperature=self.temperature, max_new_tokens=self.max_new_tokens)
+        """The sampling settings of every policy turn (logprobs are under what they sample from)."""
+        return SamplingParams(
+            temperature=self.temperature,
+            max_new_tokens=self.max_new_tokens,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            stop=tuple(self.stop),
+        )
 
 
 @dataclass
@@ -132,12 +158,16 @@ class Rollouter:
         config: RolloutConfig,
         frozen_seats: Sequence[str] = (),
         frozen_engine: Callable[[], Engine] | None = None,
+        stop: Sequence[str] = (),
     ):
         if frozen_seats and frozen_engine is None:
             raise ValueError(f"frozen seats {list(frozen_seats)} need a frozen_engine (the backend's)")
         self.engine, self.tokenizer, self.groups, self.config = engine, tokenizer, groups, config
         self.frozen_seats, self._frozen_engine_fn = tuple(frozen_seats), frozen_engine
         self._policies: dict[tuple[str, bool], Policy] = {}
+        # the task's own stop strings (a tool call's closing tag) join the configured ones
+        sampling = config.sampling
+        self.sampling = dataclasses.replace(sampling, stop=tuple(dict.fromkeys([*sampling.stop, *stop])))
 
     # -- seats ----------------------------------------------------------------------------------
     def trained(self, name: str) -> Policy:
@@ -155,7 +185,7 @@ class Rollouter:
                 name=name,
                 engine=engine,
                 tokenizer=self.tokenizer,
-                sampling=self.config.sampling,
+                sampling=self.sampling,
                 trainable=not frozen,
             )
         return self._policies[name, frozen]
@@ -253,13 +283,13 @@ class Rollouter:
                 req_rows.append(row)
         rollout_fn = EngineRollout(self.engine, chat, seed=mix_seed(cfg.seed, step))
         requests = prepare_requests(scheduler, requests)  # the scheduler's before_first_turn
-        first = rollout_fn(requests, cfg.sampling)  # collective: every rank has rows every step
+        first = rollout_fn(requests, self.sampling)  # collective: every rank has rows every step
         outputs = run_multi_turn(
             requests,
             first,
             scheduler,
             rollout_fn,
-            cfg.sampling,
+            self.sampling,
             gather_fn=self.groups.gather_fn(),
             rank=self.groups.rollout_rank,
             step_timeout_s=cfg.step_timeout_s,

@@ -89,7 +89,7 @@ def _train(rank, tiny_path):
             logprobs, loss_mask=batch.loss_mask, advantages=batch.advantages,
             rollout_logprobs=batch.rollout_logprobs, logprobs_complete=batch.logprobs_complete,
             sample_ids=batch.sample_ids, segment_ids=batch.segment_ids,
-            config=LossConfig(is_mode="token_truncate", beta=0.0), num_tokens=counts[0], num_sequences=counts[1],
+            config=LossConfig(beta=0.0), num_tokens=counts[0], num_sequences=counts[1],
         )  # fmt: skip
         optimizer.zero_grad()
         loss.backward()

@@ -106,6 +106,7 @@ class GRPOTrainer:
             config=self.rollout_config,
             frozen_seats=tasks.frozen_seats,
             frozen_engine=backend.frozen_engine,
+            stop=tasks.stop,
         )
         self.rewards = WeightedRewards(list(rewards or [environment_reward]), reward_weights)
         # every rank writes into the folder rank 0 names (a fresh one when none is given)

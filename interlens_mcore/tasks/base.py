@@ -79,6 +79,7 @@ class TaskSource(ABC):
     trained_seats: tuple[str, ...] = ("policy",)
     frozen_seats: tuple[str, ...] = ()
     reward_key: str = "reward"
+    stop: tuple[str, ...] = ()  # strings that end a policy turn in this task (a tool call's close)
 
     @abstractmethod
     def rows(self, n: int, *, seed: int) -> list[Any]:

@@ -119,7 +119,7 @@ class SwiftTaskSource(TaskSource):
             num_generations=n,
             engine=rollouter.engine,
             tokenizer=rollouter.tokenizer,
-            sampling=cfg.sampling,
+            sampling=rollouter.sampling,
             seed=mix_seed(cfg.seed, step, salt),
             gather_fn=rollouter.groups.gather_fn(),
             # request indices and seeds must be unique across every rank of the world
