@@ -140,6 +140,10 @@ def load_tiny(path: str | Path | None = None, **kwargs):
 
 
 # -- the default policy: the tiny model after a short supervised phase on game transcripts --------
+# bumped whenever the transcripts change for the same recipe (the game's answers, the guesser)
+WARM_START_VERSION = 1
+
+
 @dataclass(frozen=True, kw_only=True)
 class WarmStart:
     """The supervised phase that turns the random tiny model into the default run's starting policy."""
@@ -164,8 +168,8 @@ class WarmStart:
     def tag(self) -> str:
         """The cache folder's name: another recipe builds another folder."""
         return (
-            f"guess-policy-g{self.games}-p{self.binary_share:g}-s{self.steps}-b{self.batch}"
-            f"-lr{self.lr:g}-seed{self.seed}"
+            f"guess-policy-v{WARM_START_VERSION}-g{self.games}-p{self.binary_share:g}-s{self.steps}"
+            f"-b{self.batch}-lr{self.lr:g}-seed{self.seed}"
         )
 
 
@@ -226,22 +230,36 @@ def supervised_phase(
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.0)
     model.train()
     losses = []
-    for _ in range(recipe.steps):
-        pick = torch.randint(len(sequences), (recipe.batch,), generator=gen).tolist()
-        width = max(len(sequences[i][0]) for i in pick)
-        ids = torch.full((recipe.batch, width), pad_id, dtype=torch.long)  # [B, T], right-padded
-        labels = torch.full((recipe.batch, width), -100, dtype=torch.long)  # [B, T], -100: no loss
-        for row, i in enumerate(pick):
-            seq, mask = sequences[i]
-            ids[row, : len(seq)] = torch.tensor(seq)
-            labels[row, : len(seq)] = torch.tensor([t if m else -100 for t, m in zip(seq, mask)])
-        loss = model(input_ids=ids, labels=labels).loss  # the model shifts the labels by one
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+    threads = torch.get_num_threads()
+    # one thread: the same reduction order on every build (a deterministic result), and ranks
+    # of a launch that build it side by side do not oversubscribe the cores (two threads on a
+    # busy 2-core machine ran this loop 10x slower than one)
+    torch.set_num_threads(1)
+    try:
+        for _ in range(recipe.steps):
+            losses.append(_supervised_step(model, optimizer, sequences, pad_id, recipe.batch, gen))
+    finally:
+        torch.set_num_threads(threads)
     model.eval()
     return losses
+
+
+def _supervised_step(model, optimizer, sequences, pad_id: int, batch: int, gen) -> float:
+    import torch
+
+    pick = torch.randint(len(sequences), (batch,), generator=gen).tolist()
+    width = max(len(sequences[i][0]) for i in pick)
+    ids = torch.full((batch, width), pad_id, dtype=torch.long)  # [B, T], right-padded
+    labels = torch.full((batch, width), -100, dtype=torch.long)  # [B, T], -100: no loss
+    for row, i in enumerate(pick):
+        seq, mask = sequences[i]
+        ids[row, : len(seq)] = torch.tensor(seq)
+        labels[row, : len(seq)] = torch.tensor([t if m else -100 for t, m in zip(seq, mask)])
+    loss = model(input_ids=ids, labels=labels).loss  # the model shifts the labels by one
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
 
 
 def ensure_default_policy(path: str | Path | None = None, recipe: WarmStart = WarmStart()) -> Path:
@@ -250,12 +268,11 @@ def ensure_default_policy(path: str | Path | None = None, recipe: WarmStart = Wa
     Real RL starts from a model that already follows the task's format; this is the tiny
     model's version of that. Its transcripts come from a `Guesser` that plays the binary-search
     move a quarter of the time and a uniformly random number otherwise, so the model learns to
-    answer with a bare number of the range and leans a little toward the right move. It solves
-    about 37 % of the games at temperature 1 (binary search solves all of them), which leaves
-    the strategy to reinforcement learning. Built once (atomically; 20 to 60 s on one core),
-    cached under `default_asset_dir()` in a folder named after the recipe.
+    answer with a bare number of the range and leans a little toward the right move. At
+    temperature 1 it solves about a third of the games (binary search solves all of them),
+    which leaves the strategy to reinforcement learning. Built once (atomically; 15 to 60 s on
+    one core), cached under `default_asset_dir()` in a folder named after the recipe.
     """
-    import torch
     from transformers import AutoTokenizer
 
     path = Path(path) if path is not None else default_asset_dir() / recipe.tag
@@ -263,20 +280,14 @@ def ensure_default_policy(path: str | Path | None = None, recipe: WarmStart = Wa
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
-    threads = torch.get_num_threads()
-    # one thread: the same reduction order on every build (a deterministic result), and ranks
-    # of a launch that build it side by side do not fight over the cores
-    torch.set_num_threads(1)
     try:
         model = build_model(tmp, build_tokenizer(tmp), seed=recipe.seed)
         # the tokenizer as every later user loads it: next to a Qwen2 config, AutoTokenizer
         # gives a Qwen2 tokenizer, whose pre-tokenizer splits numbers into single digits
         tokenizer = AutoTokenizer.from_pretrained(tmp)
         chat = ChatFormat(tokenizer)
-        sequences = [
-            transcript_ids(chat, g)
-            for g in guess_transcripts(recipe.games, seed=recipe.seed, binary_share=recipe.binary_share)
-        ]
+        games = guess_transcripts(recipe.games, seed=recipe.seed, binary_share=recipe.binary_share)
+        sequences = [transcript_ids(chat, g) for g in games]
         losses = supervised_phase(model, tokenizer.pad_token_id, sequences, recipe)
         model.save_pretrained(tmp)
         record = {**asdict(recipe), "loss_first": losses[0], "loss_last": losses[-1]}
@@ -287,6 +298,5 @@ def ensure_default_policy(path: str | Path | None = None, recipe: WarmStart = Wa
             if not (path / "config.json").exists():
                 raise
     finally:
-        torch.set_num_threads(threads)
         shutil.rmtree(tmp, ignore_errors=True)
     return path

@@ -48,7 +48,8 @@ def test_transcript_ids_equal_the_rollout_view(tiny):
     conv = Conversation(task.lineup(lambda name: policy), prompt=task.prompt(), run_until=MaxTurns(6))
     co_step([conv], turns=None)
     (trajectory,) = conv.trajectories()
-    assert [m.content for m in conv.messages] == ["4", "higher", "5", "higher", "6", "correct"]
+    answers = ["higher: between 5 and 7", "higher: between 6 and 7", "correct"]
+    assert [m.content for m in conv.messages] == [x for pair in zip("456", answers) for x in pair]
     ids, mask = transcript_ids(chat, [*conv.prompt, *conv.messages])
     assert ids == trajectory.token_ids
     assert mask == trajectory.loss_mask
@@ -73,7 +74,7 @@ def test_supervised_phase_learns_binary_search(tiny_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_path)
     tokenizer = AutoTokenizer.from_pretrained(tiny_path)
     chat = ChatFormat(tokenizer)
-    sequences = [transcript_ids(chat, g) for g in guess_transcripts(256, seed=0, binary_share=1.0)]
+    sequences = [transcript_ids(chat, g) for g in guess_transcripts(128, seed=0, binary_share=1.0)]
     torch.manual_seed(0)
     losses = supervised_phase(model, tokenizer.pad_token_id, sequences, WarmStart(steps=40, lr=3e-3))
     # the opening is the same in every game, so its reply "4" is learned first; measured

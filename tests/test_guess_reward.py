@@ -48,7 +48,7 @@ def random_guesser(task, history, rng) -> str:
 def binary_search(task, history, rng) -> str:
     low, high = task.low, task.high
     for guess, answer in history:
-        low, high = (guess + 1, high) if answer == "higher" else (low, guess - 1)
+        low, high = (guess + 1, high) if answer.startswith("higher") else (low, guess - 1)
     return str((low + high) // 2)
 
 
@@ -124,10 +124,28 @@ def test_answers_and_success_infos():
     co_step([conv], turns=None)
     answers = [m.content for m in conv.messages if m.speaker == "game"]
     # 9 and 0 lie outside [1, 7]; 4 is too low; the third guess ends the game unsolved
-    assert answers == ["answer with a number between 1 and 7"] * 2 + ["higher"]
+    assert answers == ["answer with a number between 1 and 7"] * 2 + ["higher: between 5 and 7"]
     assert conv.infos["success"] == 0.0
     # only "4" narrowed the secret, to [5, 7]: 0.3 x log(7/3) / log(7)
     assert conv.lineup[1].reward(conv) == pytest.approx(0.3 * math.log(7 / 3) / math.log(7))
+
+
+def test_hints_say_where_the_secret_lies():
+    def answers(task, replies):
+        lineup = [Player(task, lambda t, h, r: replies[len(h)], 0), task.environment()]
+        conv = Conversation(lineup, prompt=task.prompt(), run_until=MaxTurns(task.max_turns))
+        co_step([conv], turns=None)
+        return [m.content for m in conv.messages if m.speaker == "game"]
+
+    # 2 -> [3, 7]; 6 -> [3, 5]; 7 was ruled out already, so the interval stays [3, 5]
+    assert answers(GuessNumberTask(secret=3), ["2", "6", "7"]) == [
+        "higher: between 3 and 7",
+        "lower: between 3 and 5",
+        "lower: between 3 and 5",
+    ]
+    assert answers(GuessNumberTask(secret=3, hints=False), ["2", "6", "3"]) == ["higher", "lower", "correct"]
+    # without hints the ranking holds too
+    assert play(binary_search, hints=False) == play(binary_search)
 
 
 def test_a_wasted_guess_earns_nothing():

@@ -58,7 +58,7 @@ def test_custom_reward_override(tiny):
 
 
 def test_guess_reward_shape():
-    task = GuessNumberTask(secret=40, high=100)
+    task = GuessNumberTask(secret=40, high=100, hints=False)
     env = task.environment()
     conv = Conversation([Scripted("policy", ["50", "4x"], role="assistant"), env], prompt=task.prompt())
     conv.start()

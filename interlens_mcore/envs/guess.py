@@ -2,7 +2,9 @@
 
 The default game is small enough for a tiny model to learn: a secret in [1, 7] and 3 guesses,
 exactly what binary search needs to solve every game (guess 4, then 2 or 6, then the last one
-left). The reward lies in [0, 1] and pays for solving, never for the look of a reply:
+left). With `hints` (the default) an answer also says where the secret still lies ("higher:
+between 5 and 7"), so the next move depends on the last answer alone and a 2-layer model can
+learn it. The reward lies in [0, 1] and pays for solving, never for the look of a reply:
 
 - solved at guess g of K: 1 - speed_weight * (g - 1) / K, so a faster solve scores more and
   the slowest solve still scores at least 1 - speed_weight;
@@ -53,6 +55,7 @@ class GuessNumberTask:
     max_guesses: int = 3
     speed_weight: float = 0.3  # what solving at the last guess costs against solving at the first
     progress_weight: float = 0.3  # the most an unsolved game earns (secret pinned down, not said)
+    hints: bool = True  # answers say where the secret still lies ("higher: between 5 and 7")
 
     def __post_init__(self) -> None:
         if self.low >= self.high:
@@ -150,7 +153,10 @@ class GuessNumber(Environment):
             conv.request_stop("out of guesses")
         if guess is None or not t.low <= guess <= t.high:
             return f"answer with a number between {t.low} and {t.high}"
-        return "higher" if guess < t.secret else "lower"
+        if not t.hints:
+            return "higher" if guess < t.secret else "lower"
+        state = game_state(t, guesses)
+        return f"{'higher' if guess < t.secret else 'lower'}: between {state.low} and {state.high}"
 
     def reward(self, conv: Conversation) -> float:
         return game_reward(self.task, game_state(self.task, self._guesses(conv)))
