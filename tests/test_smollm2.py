@@ -104,8 +104,8 @@ def test_megatron_logits_equal_transformers_at_tp1(smollm2_path):
     (diff,) = run_ranks(_megatron_logit_diff, 1, str(smollm2_path), seqs, timeout=600)
     assert diff["scale"] > 5.0  # real logits, not near-zero ones
     # float32 on both sides from the same bf16 weights; 30 layers of rounding in a different
-    # order (fused QKV, packed attention). Measured: see the report in the commit
-    assert diff["max_diff"] < 1e-3 * diff["scale"], diff
+    # order (fused QKV, packed attention). Measured max |diff| 4.0e-5 on logits up to 39.3
+    assert diff["max_diff"] < 1e-5 * diff["scale"], diff
     assert diff["argmax_equal"], diff
 
 
