@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from interlens_mcore.conversation import Conversation, Scripted
@@ -56,7 +58,7 @@ def test_custom_reward_override(tiny):
 
 
 def test_guess_reward_shape():
-    task = GuessNumberTask(secret=40)
+    task = GuessNumberTask(secret=40, high=100, hints=False)
     env = task.environment()
     conv = Conversation([Scripted("policy", ["50", "4x"], role="assistant"), env], prompt=task.prompt())
     conv.start()
@@ -65,9 +67,9 @@ def test_guess_reward_shape():
         conv.commit(speaker, Message(speaker=speaker.name, content=msg, role=speaker.role))
     assert [m.content for m in conv.messages] == ["50", "lower", "4x", "higher"]
     assert reply_number("4x") == 4
-    # form: replies "50" (1.0) and "4x" (0.5) -> 0.75; closeness: best |50 - 40| = 10 of a
-    # quarter range 24.75 -> 1 - 10 / 24.75 = 0.596; reward 0.6 * 0.75 + 0.4 * 0.596 = 0.688
-    assert abs(env.reward(conv) - (0.6 * 0.75 + 0.4 * (1 - 10 / 24.75))) < 1e-9
+    # unsolved: "50" -> lower leaves [1, 49], "4x" -> higher leaves [5, 49], 45 of 100 numbers;
+    # reward 0.3 x log(100 / 45) / log(100) = 0.052 (tests/test_guess_reward.py has the rest)
+    assert abs(env.reward(conv) - 0.3 * math.log(100 / 45) / math.log(100)) < 1e-9
 
 
 def test_scheduler_path(tiny):

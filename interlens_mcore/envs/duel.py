@@ -35,9 +35,15 @@ from typing import ClassVar
 
 from ..conversation import Conversation, Environment, Participant, Policy
 from ..trajectory import Message
-from .guess import _form, reply_number
+from .guess import reply_number
 
 SEATS = ("player_a", "player_b")
+
+
+def _form(text: str) -> float:
+    """The fraction of a reply's non-space characters that are digits."""
+    chars = [c for c in text if not c.isspace()]
+    return sum(c.isdigit() for c in chars) / len(chars) if chars else 0.0
 
 
 @dataclass(frozen=True, kw_only=True)

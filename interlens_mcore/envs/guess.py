@@ -1,23 +1,33 @@
 """Guess-a-number: the policy guesses, the environment answers "higher", "lower" or "correct".
 
-The reward is shaped so that a randomly initialised tiny model has a gradient to follow from
-its first step (rewards in [0, 1]):
+The default game is small enough for a tiny model to learn: a secret in [1, 7] and 3 guesses,
+exactly what binary search needs to solve every game (guess 4, then 2 or 6, then the last one
+left). With `hints` (the default) an answer also says where the secret still lies ("higher:
+between 5 and 7"), so the next move depends on the last answer alone and a 2-layer model can
+learn it. The reward lies in [0, 1] and pays for solving, never for the look of a reply:
 
-- form (weight `form_weight`): per guess, the fraction of the reply's non-space characters
-  that are digits, averaged over guesses. A random model scores about 0.2; a model that
-  answers with bare numbers scores 1.
-- closeness (the rest): 1 - |best guess - secret| / (quarter of the range), floored at 0, over
-  the guesses that hold a number; 1 when solved, 0 when no guess held a number.
+- solved at guess g of K: 1 - speed_weight * (g - 1) / K, so a faster solve scores more and
+  the slowest solve still scores at least 1 - speed_weight;
+- not solved: progress_weight x the share of the secret's uncertainty the valid guesses
+  removed, log(N / |C|) / log(N), where N numbers were possible at the start and C is the set
+  still consistent with every "higher" / "lower" answer. A guess outside the range, a reply
+  without a number, or a guess already ruled out narrows nothing and earns nothing.
+
+Since speed_weight + progress_weight < 1, every solved game outscores every unsolved one, and
+among unsolved games only information about the secret pays: repeating a fixed answer, or
+filling replies with digits, earns what its first guess revealed and no more. A reply's guess
+is its first integer. `conv.infos["success"]` is 1.0 once the game is solved, else 0.0.
 
 Example::
 
-    task = GuessNumberTask(secret=42)
-    conv = Conversation([policy, GuessNumber(task)], prompt=task.prompt(), run_until=MaxTurns(6))
-    co_step([conv]); reward = conv.lineup[1].reward(conv)
+    task = GuessNumberTask(secret=5)
+    conv = Conversation(task.lineup(seat), prompt=task.prompt(), run_until=MaxTurns(task.max_turns))
+    co_step([conv]); reward = conv.lineup[1].reward(conv); solved = conv.infos["success"]
 """
 
 from __future__ import annotations
 
+import math
 import random
 import re
 from collections.abc import Callable
@@ -35,28 +45,33 @@ def reply_number(text: str) -> int | None:
     return int(m.group()) if m else None
 
 
-def _form(text: str) -> float:
-    chars = [c for c in text if not c.isspace()]
-    return sum(c.isdigit() for c in chars) / len(chars) if chars else 0.0
-
-
 @dataclass(frozen=True, kw_only=True)
 class GuessNumberTask:
-    """One game: the secret and the range it was drawn from."""
+    """One game: the secret, the range it was drawn from, the guesses allowed, the reward's weights."""
 
     secret: int
     low: int = 1
-    high: int = 100
+    high: int = 7
     max_guesses: int = 3
-    form_weight: float = 0.6
+    speed_weight: float = 0.3  # what solving at the last guess costs against solving at the first
+    progress_weight: float = 0.3  # the most an unsolved game earns (secret pinned down, not said)
+    hints: bool = True  # answers say where the secret still lies ("higher: between 5 and 7")
 
     def __post_init__(self) -> None:
+        if self.low >= self.high:
+            raise ValueError(f"GuessNumberTask range [{self.low}, {self.high}] must hold two numbers or more")
         if not self.low <= self.secret <= self.high:
             raise ValueError(f"GuessNumberTask.secret {self.secret} lies outside [{self.low}, {self.high}]")
         if self.max_guesses < 1:
             raise ValueError(f"GuessNumberTask.max_guesses must be >= 1, got {self.max_guesses}")
-        if not 0.0 <= self.form_weight <= 1.0:
-            raise ValueError(f"GuessNumberTask.form_weight must lie in [0, 1], got {self.form_weight}")
+        for name in ("speed_weight", "progress_weight"):
+            if getattr(self, name) < 0.0:
+                raise ValueError(f"GuessNumberTask.{name} must be >= 0, got {getattr(self, name)}")
+        if self.speed_weight + self.progress_weight >= 1.0:
+            raise ValueError(
+                f"GuessNumberTask.speed_weight + progress_weight must be < 1 (so every solved game "
+                f"outscores every unsolved one), got {self.speed_weight} + {self.progress_weight}"
+            )
 
     def prompt(self) -> list[Message]:
         text = f"guess the number between {self.low} and {self.high}"
@@ -78,8 +93,40 @@ class GuessNumberTask:
 def guess_tasks(n: int, *, seed: int, **task_kwargs) -> list[GuessNumberTask]:
     """`n` games with secrets drawn from `seed` alone (the same on every rank and every resume)."""
     rng = random.Random(seed)
-    low, high = task_kwargs.get("low", 1), task_kwargs.get("high", 100)
+    low, high = task_kwargs.get("low", 1), task_kwargs.get("high", 7)
     return [GuessNumberTask(secret=rng.randint(low, high), **task_kwargs) for _ in range(n)]
+
+
+@dataclass(frozen=True)
+class GameState:
+    """What a sequence of guesses established about the secret."""
+
+    solved_at: int | None  # 1-based index of the guess that named the secret, or None
+    low: int  # the secret lies in [low, high] given every answer so far
+    high: int
+
+
+def game_state(task: GuessNumberTask, guesses: list[int | None]) -> GameState:
+    """Replay `guesses` (None: a reply without a number) against the game's answers."""
+    low, high = task.low, task.high
+    for i, g in enumerate(guesses, start=1):
+        if g == task.secret:
+            return GameState(solved_at=i, low=g, high=g)
+        if g is None or not low <= g <= high:
+            continue  # out of range, or already ruled out: the answer tells nothing new
+        if g < task.secret:
+            low = g + 1
+        else:
+            high = g - 1
+    return GameState(solved_at=None, low=low, high=high)
+
+
+def game_reward(task: GuessNumberTask, state: GameState) -> float:
+    """The reward of a finished game (see the module docstring)."""
+    if state.solved_at is not None:
+        return 1.0 - task.speed_weight * (state.solved_at - 1) / task.max_guesses
+    size, left = task.high - task.low + 1, state.high - state.low + 1
+    return task.progress_weight * math.log(size / left) / math.log(size)
 
 
 class GuessNumber(Environment):
@@ -90,33 +137,26 @@ class GuessNumber(Environment):
     def __init__(self, task: GuessNumberTask, *, name: str = "game", policy: str = "policy"):
         self.task, self.name, self.policy = task, name, policy
 
-    def _guesses(self, conv: Conversation) -> list[str]:
-        return [m.content for m in conv.messages if m.speaker == self.policy]
+    def _guesses(self, conv: Conversation) -> list[int | None]:
+        return [reply_number(m.content) for m in conv.messages if m.speaker == self.policy]
 
     def respond(self, conv: Conversation) -> str:
         guesses = self._guesses(conv)
-        guess = reply_number(guesses[-1]) if guesses else None
-        if guess == self.task.secret:
+        guess = guesses[-1] if guesses else None
+        t = self.task
+        if guess == t.secret:
+            conv.infos["success"] = 1.0
             conv.request_stop("solved")
             return "correct"
-        if len(guesses) >= self.task.max_guesses:
+        conv.infos["success"] = 0.0
+        if len(guesses) >= t.max_guesses:
             conv.request_stop("out of guesses")
-        if guess is None:
-            return "answer with a number"
-        return "higher" if guess < self.task.secret else "lower"
+        if guess is None or not t.low <= guess <= t.high:
+            return f"answer with a number between {t.low} and {t.high}"
+        if not t.hints:
+            return "higher" if guess < t.secret else "lower"
+        state = game_state(t, guesses)
+        return f"{'higher' if guess < t.secret else 'lower'}: between {state.low} and {state.high}"
 
     def reward(self, conv: Conversation) -> float:
-        replies = self._guesses(conv)
-        if not replies:
-            return 0.0
-        form = sum(_form(r) for r in replies) / len(replies)
-        numbers = [n for n in (reply_number(r) for r in replies) if n is not None]
-        t = self.task
-        if t.secret in numbers:
-            close = 1.0
-        elif numbers:
-            # a quarter of the range: a random guess earns little, a near miss most of it
-            close = max(0.0, 1.0 - min(abs(n - t.secret) for n in numbers) / (0.25 * (t.high - t.low)))
-        else:
-            close = 0.0
-        return t.form_weight * form + (1.0 - t.form_weight) * close
+        return game_reward(self.task, game_state(self.task, self._guesses(conv)))
