@@ -39,7 +39,7 @@ _EVAL_SALT = 0x6576616C  # folded into evaluation seeds, so they never repeat a 
 class RolloutConfig:
     """How rollouts are sampled, grouped and cut into micro-batches."""
 
-    num_generations: int = field(default=8, metadata={"help": "samples per prompt: one advantage group"})
+    num_generations: int = field(default=16, metadata={"help": "samples per prompt: one advantage group"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature of every policy turn"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass (1: off)"})
     top_k: int = field(default=0, metadata={"help": "sample among the k most likely tokens (0: off)"})

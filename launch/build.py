@@ -26,10 +26,18 @@ def world_size() -> int:
 
 
 def model_folder(args: Args) -> Path:
-    """--model, or the tiny local model (built once, atomically, so ranks may race)."""
-    from interlens_mcore.assets import ensure_tiny_model
+    """--model: a folder, `smollm2`, or by default the warm-started tiny model (assets build once,
+    atomically, so ranks may race)."""
+    from interlens_mcore.assets import ensure_default_policy
 
-    return Path(args.backend.model) if args.backend.model is not None else ensure_tiny_model()
+    if args.backend.model == "smollm2":
+        from interlens_mcore.assets_smollm2 import AssetUnavailable, ensure_smollm2
+
+        try:
+            return ensure_smollm2()
+        except AssetUnavailable as exc:
+            raise UsageError(f"--model smollm2: {exc}") from None
+    return Path(args.backend.model) if args.backend.model is not None else ensure_default_policy()
 
 
 def task_source(args: Args) -> TaskSource:
@@ -115,7 +123,7 @@ def check(args: Args) -> TaskSource:
             f"--num-generations {r.num_generations} does not fit --batch-size {t.batch_size}: "
             "the batch must hold whole groups (a positive multiple of num_generations)"
         )
-    if b.model is not None and not (Path(b.model) / "config.json").is_file():
+    if b.model not in (None, "smollm2") and not (Path(b.model) / "config.json").is_file():
         raise UsageError(f"--model {b.model}: not an HF checkpoint folder (no config.json)")
     if b.model is not None and b.backend == "deepspeed" and (Path(b.model) / "megatron.json").is_file():
         raise UsageError(

@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "launch" / "train_grpo.py"
 # a few small steps: every test run stays well under a minute on 2 cores
 SMALL = ["--batch-size", "8", "--num-generations", "4", "--max-new-tokens", "4", "--save-every", "2"]
+SMALL += ["--eval-size", "4"]
 
 
 def env(**extra: str) -> dict[str, str]:

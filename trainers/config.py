@@ -18,12 +18,12 @@ class TrainerConfig:
     """The outer loop, the optimizer, checkpoints, evaluation and logging."""
 
     steps: int = field(
-        default=150, metadata={"help": "optimizer steps of the run (a resumed run may raise it)"}
+        default=300, metadata={"help": "optimizer steps of the run (a resumed run may raise it)"}
     )
     batch_size: int = field(
-        default=32, metadata={"help": "samples per rank per step: a multiple of --num-generations"}
+        default=64, metadata={"help": "samples per rank per step: a multiple of --num-generations"}
     )
-    lr: float = field(default=2e-3, metadata={"help": "AdamW learning rate"})
+    lr: float = field(default=1e-3, metadata={"help": "AdamW learning rate"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
     grad_clip: float = field(default=1.0, metadata={"help": "clip the global gradient norm to this"})
     updates_per_rollout: int = field(
@@ -34,11 +34,11 @@ class TrainerConfig:
     )
     save_total_limit: int = field(default=2, metadata={"help": "checkpoints kept (the newest ones)"})
     eval_every: int = field(
-        default=10,
+        default=50,
         metadata={"help": "steps between evaluations on held-out rows (0: never); also at the end"},
     )
     eval_size: int = field(
-        default=16, metadata={"help": "held-out rows per rank (per seat in multi-seat games)"}
+        default=64, metadata={"help": "held-out rows per rank (per seat in multi-seat games)"}
     )
     output_dir: str | None = field(
         default=None, metadata={"help": "run folder (default: a new runs/<task>-<timestamp>)"}
@@ -90,7 +90,11 @@ class BackendConfig:
         metadata={"help": "megatron (megatron-core GPTModel) or deepspeed (HF model, ZeRO)"},
     )
     model: str | None = field(
-        default=None, metadata={"help": "HF checkpoint folder (default: the tiny local model)"}
+        default=None,
+        metadata={
+            "help": "HF folder or sharded megatron checkpoint, or smollm2 (SmolLM2-135M-Instruct); "
+            "default: the tiny Qwen2 model after a short supervised phase on guess-a-number"
+        },
     )
     tp: int = field(default=1, metadata={"help": "tensor-parallel size (megatron); may change on --resume"})
     pp: int = field(default=1, metadata={"help": "pipeline-parallel size (only 1 yet: docs/parallelism.md)"})
