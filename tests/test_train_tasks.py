@@ -36,13 +36,16 @@ def test_task_library_trains(tmp_path, args):
 
 REWARD = """
 def exact(trajectories, rows):
-    return [float(t.infos["completion"].strip() == str(row.columns["answer"])) for t, row in zip(trajectories, rows)]
+    said = [t.infos["completion"].strip() for t in trajectories]
+    return [float(s == str(row.columns["answer"])) for s, row in zip(said, rows)]
 """
 
 
 def test_dataset_with_a_reward_function_and_tools(tmp_path):
     data = tmp_path / "sums.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"what is {i} + {i}?", "answer": 2 * i}) + "\n" for i in range(40)))
+    data.write_text(
+        "".join(json.dumps({"prompt": f"what is {i} + {i}?", "answer": 2 * i}) + "\n" for i in range(40))
+    )
     (tmp_path / "myreward.py").write_text(REWARD)
     out = tmp_path / "run"
     args = ["--dataset", str(data), "--reward", "myreward:exact", "--no-env-reward"]
@@ -61,7 +64,8 @@ from interlens_mcore.compat.swift import MultiTurnScheduler  # the one changed l
 class Tips(MultiTurnScheduler):
     async def on_turn_end(self, infer_request, response_choice, current_turn):
         right = response_choice.message.content.strip() == str(infer_request.data_dict["answer"])
-        return {"done": right or current_turn >= 2, "rollout_infos": {"reward": float(right), "success": float(right)}}
+        infos = {"reward": float(right), "success": float(right)}
+        return {"done": right or current_turn >= 2, "rollout_infos": infos}
 
     def step(self, infer_request, response_choice, current_turn):
         infer_request.messages.append({"role": "user", "content": "not quite, try again"})
@@ -75,7 +79,14 @@ def test_ms_swift_scheduler_from_the_command_line(tmp_path):
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "plugin.py").write_text(SCHEDULER)
     out = tmp_path / "run"
-    args = ["--external-plugins", "plugin.py", "--multi-turn-scheduler", "plugin:Tips", "--dataset", str(data)]
+    args = [
+        "--external-plugins",
+        "plugin.py",
+        "--multi-turn-scheduler",
+        "plugin:Tips",
+        "--dataset",
+        str(data),
+    ]
     args += ["--eval-dataset", str(data), "--steps", "3", "--output-dir", str(out)]
     res = torchrun(*args, *SMALL, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
