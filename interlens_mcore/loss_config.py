@@ -38,7 +38,7 @@ class LossConfig:
         metadata={"help": "surrogate: vanilla (PPO clip), gspo (sequence ratio), cispo, or a registered one"},
     )
     beta: float = field(
-        default=0.05, metadata={"help": "coefficient of KL(train || reference); 0: no reference model"}
+        default=0.1, metadata={"help": "coefficient of KL(train || reference); 0: no reference model"}
     )
     kl_estimator: KLEstimator = field(
         default="k3", metadata={"help": "KL estimator; k1+ / k3+: k1 / k3 value with the k2 gradient"}

@@ -418,7 +418,7 @@ def test_without_token_mask_the_loss_is_unchanged_by_the_prepass_functions():
 
 def test_config_defaults_are_the_command_line_defaults():
     c = LossConfig()
-    assert (c.epsilon, c.epsilon_high, c.dual_clip, c.beta) == (0.2, None, None, 0.005)
+    assert (c.epsilon, c.epsilon_high, c.dual_clip, c.beta) == (0.2, None, None, 0.1)
     assert (c.kl_estimator, c.aggregation, c.is_mode, c.is_threshold, c.bypass) == (
         "k3",
         "token-mean",
