@@ -25,7 +25,7 @@ from interlens_mcore.loss import LossConfig
 from interlens_mcore.rollout import RolloutConfig
 from trainers.config import BackendConfig, TrainerConfig
 
-REPEATABLE = ("--reward", "--reward-weights", "--reward_weights")
+REPEATABLE = ("--reward", "--reward-weights", "--reward_weights", "--task-arg", "--task_arg")
 RESUME = ("no", "yes", "auto")
 
 
@@ -44,6 +44,9 @@ class LaunchConfig:
         },
     )
     task_args: str = field(default="{}", metadata={"help": "JSON object of the task's options"})
+    task_arg: list[str] = field(
+        default_factory=list, metadata={"help": "KEY=VALUE task options, values read as YAML (repeatable)"}
+    )
     reward: list[str] = field(
         default_factory=list,
         metadata={"help": "MODULE:FN reward functions added to the task's own (repeatable)"},
@@ -99,12 +102,18 @@ class LaunchConfig:
 
     @property
     def task_arguments(self) -> dict[str, Any]:
+        """--task-args (a JSON object) with each --task-arg KEY=VALUE over it."""
+        from interlens_mcore.tasks.families import parse_task_args
+
         try:
-            return json.loads(self.task_args)
+            out = json.loads(self.task_args)
         except json.JSONDecodeError as exc:
             raise ValueError(
                 f"LaunchConfig.task_args is not valid JSON ({exc.msg}): {self.task_args!r}"
             ) from None
+        if isinstance(out, dict):
+            out.update(parse_task_args(self.task_arg))
+        return out
 
 
 SECTIONS = (LaunchConfig, BackendConfig, TrainerConfig, RolloutConfig, LossConfig)
