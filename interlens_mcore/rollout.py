@@ -215,16 +215,8 @@ class Rollouter:
         convs, conv_rows = [], []
         for i, row in enumerate(rows):
             for k in range(n):
-                convs.append(
-                    Conversation(
-                        row.lineup(self.seat),
-                        prompt=row.prompt(),
-                        run_until=MaxTurns(row.max_turns),
-                        id=f"s{step}-r{rank}-p{i}-g{k}",
-                        seed=mix_seed(self.config.seed, step, rank, i, k),
-                        group=i,
-                    )
-                )
+                seed = mix_seed(self.config.seed, step, rank, i, k)
+                convs.append(_conversation(row, self.seat, f"s{step}-r{rank}-p{i}-g{k}", seed, i))
                 conv_rows.append(row)
         return self._lineups(convs, conv_rows, mix_seed(self.config.seed, step))
 
@@ -236,13 +228,12 @@ class Rollouter:
         """
         rank = self.groups.rank
         convs = [
-            Conversation(
-                row.lineup(self.trained),
-                prompt=row.prompt(),
-                run_until=MaxTurns(row.max_turns),
-                id=f"eval{step}-r{rank}-p{i}",
-                seed=mix_seed(self.config.seed, step, rank, i, _EVAL_SALT),
-                group=i,
+            _conversation(
+                row,
+                self.trained,
+                f"eval{step}-r{rank}-p{i}",
+                mix_seed(self.config.seed, step, rank, i, _EVAL_SALT),
+                i,
             )
             for i, row in enumerate(rows)
         ]
@@ -303,6 +294,18 @@ class Rollouter:
             t.infos["messages"] = list(o.request.messages)
             trajectories.append(t)
         return Rollout(trajectories=trajectories, rows=req_rows)
+
+
+def _conversation(row: Any, seat: Callable[[str], Policy], cid: str, seed: int, group: int) -> Conversation:
+    """One sample of a lineup row: its seats filled by `seat`, its turn cap, its own seed."""
+    return Conversation(
+        row.lineup(seat),
+        prompt=row.prompt(),
+        run_until=MaxTurns(row.max_turns),
+        id=cid,
+        seed=seed,
+        group=group,
+    )
 
 
 def describe(t: Trajectory, conv: Conversation) -> None:
