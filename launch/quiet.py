@@ -17,6 +17,8 @@ warnings.filterwarnings("ignore", category=FutureWarning, module=r"deepspeed(\..
 warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed(\..*)?")
 # DeepSpeed's note that it picked its CPU accelerator (its logger's level is reset on import: a
 # filter stays); every other DeepSpeed message still shows
-logging.getLogger("DeepSpeed").addFilter(lambda record: "Setting accelerator to CPU" not in record.getMessage())
+logging.getLogger("DeepSpeed").addFilter(
+    lambda record: "Setting accelerator to CPU" not in record.getMessage()
+)
 # megatron-core's TransformerConfig about a CUDA-graph option the CPU path never sets
 warnings.filterwarnings("ignore", message=r"full scope is deprecated.*")
