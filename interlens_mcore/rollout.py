@@ -289,6 +289,7 @@ class Rollouter:
         for o in outputs:
             t = o.to_trajectory(group=o.request.data["group"])
             t.infos["env_reward"] = t.infos.get(reward_key)
+            t.infos["turns"] = o.num_turns
             replies = [m["content"] for m in o.request.messages if m.get("role") == "assistant"]
             t.infos["completion"] = replies[-1] if replies else ""
             t.infos["messages"] = list(o.request.messages)

@@ -57,7 +57,7 @@ def test_cli_overrides_yaml(run, tmp_path):
     cfg.write_text("tp: 3\nnum_generations: 3\n")
     out = tmp_path / "out"
     res = run("--config", str(cfg), "--tp", "1", "--output-dir", str(out), WORLD_SIZE="1")
-    _refused(res, out, "--num-generations 3 does not fit --batch-size 32")
+    _refused(res, out, "--num-generations 3 does not fit --batch-size 64")
 
 
 def test_tp_not_dividing_world(run, tmp_path):
@@ -157,10 +157,10 @@ def test_help_lists_every_option_with_its_default():
     assert res.returncode == 0
     text = " ".join(res.stdout.split())
     for needle in (
-        "--lr LR AdamW learning rate (default: 0.002)",
+        "--lr LR AdamW learning rate (default: 0.001)",
         "--task TASK",
         "{megatron,deepspeed}",
         "--report_to REPORT_TO",
-        "(default: 150)",
+        "(default: 300)",
     ):
         assert needle in text, needle

@@ -94,6 +94,7 @@ def build_backend(
             grad_clip=trainer.grad_clip,
             temperature=temperature,
             reference=reference,
+            tokenizer=tokenizer,
         )
         return backend, groups
     from .deepspeed_backend import DeepSpeedBackend, deepspeed_config

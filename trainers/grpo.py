@@ -219,10 +219,17 @@ class GRPOTrainer:
         rows = self.tasks.rows(cfg.batch_size // rcfg.num_generations, seed=seed)
         rollout = self.tasks.run(self.rollouter, rows, step)
         totals, components = self.rewards.score(rollout.trajectories, rollout.rows)
-        for t, r in zip(rollout.trajectories, totals, strict=True):
-            t.reward = r
+        self.score(rollout.trajectories, totals)
         rollout.advantages, rollout.keep = rollout_advantages(rollout.trajectories, rcfg)
         return rollout, components
+
+    def score(self, trajectories: list, totals: list[float]) -> None:
+        """Set each trajectory's reward, then its success as the task judges it."""
+        for t, r in zip(trajectories, totals, strict=True):
+            t.reward = r
+            success = self.tasks.success_of(t)
+            if success is not None:
+                t.infos["success"] = float(success)
 
     def share_over_tp(self, rollout: Rollout) -> Rollout:
         """Under TP every rank of a TP group trains on the same samples: the group's union.
@@ -250,8 +257,7 @@ class GRPOTrainer:
             return {}
         rollout = self.tasks.evaluate(self.rollouter, rows, self.step)
         totals, _ = self.rewards.score(rollout.trajectories, rollout.rows)
-        for t, r in zip(rollout.trajectories, totals, strict=True):
-            t.reward = r
+        self.score(rollout.trajectories, totals)
         return record.evaluation_figures(rollout)
 
     def completions(self, rollout: Rollout) -> list[dict]:

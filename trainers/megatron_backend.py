@@ -15,6 +15,7 @@ where those need CUDA, torch DDP over the DP group and a torch AdamW. Checkpoint
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -50,8 +51,9 @@ class MegatronBackend:
         temperature: float = 1.0,
         reference: bool = False,
         seed: int = 0,
+        tokenizer: Any = None,
     ):
-        self.groups, self.temperature = groups, temperature or 1.0
+        self.groups, self.temperature, self.tokenizer = groups, temperature or 1.0, tokenizer
         self._frozen_engine = None  # a frozen opponent's: built on first use
         self.model_path = Path(model_path)  # an HF folder or a sharded megatron checkpoint
         self.layout_info = load_layout(self.model_path)
@@ -68,7 +70,10 @@ class MegatronBackend:
         self.reference = self._initial_model() if reference else None
         self.training = build_training(self.model, options, groups, path=self.path)
         self.train_model, self.optimizer = self.training.train_model, self.training.optimizer
-        self.engine = MegatronEngine(self.model, self.layout_info, group=groups.rollout, tp_group=groups.tp)
+        # the tokenizer decodes sampled ids for stop strings (a tool call's closing tag)
+        self.engine = MegatronEngine(
+            self.model, self.layout_info, group=groups.rollout, tp_group=groups.tp, tokenizer=tokenizer
+        )
 
     @property
     def has_reference(self) -> bool:
@@ -89,7 +94,12 @@ class MegatronBackend:
         if self._frozen_engine is None:
             model = self.reference if self.reference is not None else self._initial_model()
             self._frozen_engine = MegatronEngine(
-                model, self.layout_info, group=self.groups.rollout, tp_group=self.groups.tp, name="frozen"
+                model,
+                self.layout_info,
+                group=self.groups.rollout,
+                tp_group=self.groups.tp,
+                name="frozen",
+                tokenizer=self.tokenizer,
             )
         return self._frozen_engine
 

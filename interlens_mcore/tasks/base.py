@@ -107,6 +107,14 @@ class TaskSource(ABC):
         """Each held-out row played once with the trained policy in every policy seat (collective)."""
         return rollouter.evaluate(rows, step)
 
+    def success_of(self, trajectory: Any) -> float | None:
+        """How a scored sample went, in [0, 1] (None: the task does not say).
+
+        By default what its environments reported (`conv.infos["success"]` or the seat's
+        `outcome`); a source without environments (a prompt dataset) decides from the reward.
+        """
+        return trajectory.infos.get("success")
+
     def describe(self) -> dict[str, Any]:
         """What `run.json` records of this source (its options)."""
         return {"name": self.name}

@@ -118,11 +118,15 @@ class DatasetSource(TaskSource):
         eval_path: str | None = None,
         eval_fraction: float = 0.05,
         split: str = "train",
+        success_threshold: float = 1.0,
     ):
         if not 0.0 <= eval_fraction < 1.0:
             raise ValueError(f"dataset: eval_fraction must lie in [0, 1), got {eval_fraction!r}")
         self.path, self.prompt_column, self.eval_path = path, prompt_column, eval_path
         self.eval_fraction, self.split = eval_fraction, split
+        # a dataset has no environment to judge a sample: it succeeds when its reward (from the
+        # reward functions) reaches this, 1.0 being the usual reward of a right answer
+        self.success_threshold = success_threshold
         self.name = f"dataset:{os.path.basename(os.path.normpath(path))}"
         rows = self._read(path)
         if eval_path is not None:
@@ -163,6 +167,9 @@ class DatasetSource(TaskSource):
         """The first `n` evaluation rows, the same at every evaluation (`seed` is not used)."""
         return self._eval[:n]
 
+    def success_of(self, trajectory: Any) -> float | None:
+        return float(trajectory.reward >= self.success_threshold)
+
     def describe(self) -> dict[str, Any]:
         return {
             "name": self.name,
@@ -183,12 +190,18 @@ def source(
     tools: Any = None,
     *,
     split: str = "train",
+    success_threshold: float = 1.0,
     tokenizer: Any = None,
     **tool_args: Any,
 ) -> TaskSource:
     """The task source of `--dataset PATH`; `tools` (functions or `MODULE:FN,...`) adds tools."""
     src: TaskSource = DatasetSource(
-        path, prompt_column=prompt_column, eval_path=eval_path, eval_fraction=eval_fraction, split=split
+        path,
+        prompt_column=prompt_column,
+        eval_path=eval_path,
+        eval_fraction=eval_fraction,
+        split=split,
+        success_threshold=success_threshold,
     )
     if tools is None:
         if tool_args:

@@ -112,6 +112,9 @@ class ToolTaskSource(TaskSource):
     def rows(self, n: int, *, seed: int) -> list[ToolTask]:
         return self._wrap(self.source.rows(n, seed=seed))
 
+    def success_of(self, trajectory: Any) -> float | None:
+        return self.source.success_of(trajectory)
+
     def eval_rows(self, n: int, *, seed: int) -> list[ToolTask]:
         return self._wrap(self.source.eval_rows(n, seed=seed))
 

@@ -126,6 +126,8 @@ class SwiftTaskSource(TaskSource):
             rank=rollouter.groups.rank,
             step_timeout_s=cfg.step_timeout_s,
         )
+        for t in trajectories:
+            t.infos["turns"] = t.infos["num_turns"]  # what the trainer's records read
         return Rollout(trajectories=trajectories, rows=[rows[t.group] for t in trajectories])
 
     def rollout(
