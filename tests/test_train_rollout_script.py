@@ -17,8 +17,34 @@ def test_rollout_jsonl(tmp_path):
     for r in rows:
         assert len(r["token_ids"]) == len(r["loss_mask"])
         assert 0.0 <= r["reward"] <= 1.0
-        assert r["messages"][0]["role"] == "assistant" or r["messages"][0]["speaker"] == "policy"
+        assert r["seat"] == "policy" and r["messages"][0]["name"] == "policy"
         trained = [t for t, m in zip(r["token_ids"], r["loss_mask"]) if m]
         assert [i for turn in r["turns"] for i in turn["token_ids"]] == trained
         for turn in r["turns"]:
             assert len(turn["logprobs"]) == len(turn["token_ids"]) and all(lp <= 0 for lp in turn["logprobs"])
+
+
+def test_rollout_from_a_training_checkpoint(tmp_path):
+    run, out = tmp_path / "run", tmp_path / "look"
+    assert torchrun("--output-dir", str(run), "--steps", "2", *SMALL).returncode == 0
+    res = torchrun(
+        "--checkpoint",
+        str(run),
+        "--output-dir",
+        str(out),
+        "--steps",
+        "1",
+        *SMALL,
+        script=ROOT / "launch" / "rollout.py",
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+    assert len(rows) == 16 and {r["seat"] for r in rows} == {"policy"}
+    bad = torchrun(
+        "--checkpoint",
+        str(tmp_path / "none"),
+        "--output-dir",
+        str(tmp_path / "x"),
+        script=ROOT / "launch" / "rollout.py",
+    )
+    assert bad.returncode != 0 and "--checkpoint" in bad.stderr and "no such folder" in bad.stderr
