@@ -3,8 +3,8 @@
     torchrun --nproc_per_node=2 benchmarks/bench_train_step.py --backend megatron --tp 1 --json
     torchrun --nproc_per_node=2 benchmarks/bench_train_step.py --backend deepspeed --zero-stage 3 --json
 
-Builds the trainer exactly as launch/train_grpo.py does (its options and backends modules) and
-times the trainer's own methods by wrapping them on the instance; the trainers are not changed.
+Builds the trainer exactly as launch/train_grpo.py does (launch/cli.py and launch/build.py) and
+times its phases by wrapping them on the instance; the trainer is not changed.
 The first step is a warm-up; medians over the rest. Rank 0 prints one JSON object last.
 Other options are passed through to launch/train_grpo.py's parser (e.g. --batch-size 16).
 """
@@ -22,36 +22,42 @@ from common import ROOT, emit, median
 
 sys.path.insert(0, str(ROOT / "launch"))
 
-from backends import build_trainer  # noqa: E402
-from options import parse, validate  # noqa: E402
+from build import build_trainer, check  # noqa: E402
+from cli import parse  # noqa: E402
 
+import trainers.grpo  # noqa: E402
 from interlens_mcore import parallel  # noqa: E402
 
-PHASES = {
-    "generate_rollouts": "rollout",
-    "training_batches": "batch",
-    "policy_logprobs": "forward_backward",
-    "reference_logprobs": "forward_backward",
+# what each timed call counts toward
+BACKEND_PHASES = {
+    "logprobs_of": "forward_backward",
     "backward": "forward_backward",
     "optimizer_step": "optimizer",
 }
 
 
-def instrument(trainer) -> list[dict]:
-    """Wrap the phase methods of `trainer`; returns the list that collects one dict per step."""
+def instrument(trainer) -> tuple[list[dict], list[float]]:
+    """Wrap the trainer's phases on the instance; returns (one dict per step, step wall times)."""
     current: dict[str, float] = defaultdict(float)
     steps: list[dict] = []
-    for method, phase in PHASES.items():
-        setattr(trainer, method, _timed(getattr(trainer, method), phase, current))
-    record = trainer.step_record
+    walls: list[float] = []
+    for method, phase in BACKEND_PHASES.items():
+        setattr(trainer.backend, method, _timed(getattr(trainer.backend, method), phase, current))
+    trainer.scored_rollout = _timed(trainer.scored_rollout, "rollout", current)
+    # batch building is a module function of the loop
+    trainers.grpo.micro_batches = _timed(trainers.grpo.micro_batches, "batch", current)
+    step = trainer.train_step
 
-    def step_record(*args, **kwargs):  # called once per step, after the optimizer
+    def timed_step():
+        t0 = time.perf_counter()
+        out = step()
+        walls.append(time.perf_counter() - t0)
         steps.append(dict(current))
         current.clear()
-        return record(*args, **kwargs)
+        return out
 
-    trainer.step_record = step_record
-    return steps
+    trainer.train_step = timed_step
+    return steps, walls
 
 
 def _timed(fn, phase: str, into: dict):
@@ -66,9 +72,10 @@ def _timed(fn, phase: str, into: dict):
 
 def summarize(steps: list[dict], walls: list[float]) -> dict:
     measured = steps[1:] or steps  # the first step compiles, allocates and warms caches
-    out = {f"{p}_s": median([s.get(p, 0.0) for s in measured]) for p in dict.fromkeys(PHASES.values())}
+    phases = ("rollout", "batch", "forward_backward", "optimizer")
+    out = {f"{p}_s": median([s.get(p, 0.0) for s in measured]) for p in phases}
     out["step_s"] = median(walls[1:] or walls)
-    out["other_s"] = round(out["step_s"] - sum(out[f"{p}_s"] for p in dict.fromkeys(PHASES.values())), 4)
+    out["other_s"] = round(out["step_s"] - sum(out[f"{p}_s"] for p in phases), 4)
     return out
 
 
@@ -78,34 +85,24 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--json", action="store_true")
     args, rest = ap.parse_known_args(argv)
     out_dir = tempfile.mkdtemp(prefix="bench_train_step.")
-    opts = parse(
-        [*rest, "--steps", str(args.steps), "--save-every", "1000000", "--output-dir", out_dir], "bench"
-    )
-    validate(opts)
+    flags = [*rest, "--steps", str(args.steps), "--save-every", "1000000", "--eval-every", "0"]
+    opts = parse([*flags, "--output-dir", out_dir], "bench")
+    source = check(opts)
     torch.set_num_threads(1)  # ranks share the cores, as in launch/train_grpo.py
     parallel.init_distributed()
     try:
-        trainer = build_trainer(opts, {"bench": True})
-        steps = instrument(trainer)
-        walls, t0 = [], time.perf_counter()
-        trainer.save_checkpoint = lambda: None  # checkpoint writes are not part of a step
-        record = trainer.step_record
-
-        def stamp(*a, **k):
-            nonlocal t0
-            walls.append(time.perf_counter() - t0)
-            out = record(*a, **k)
-            t0 = time.perf_counter()
-            return out
-
-        trainer.step_record = stamp
+        trainer = build_trainer(opts, source)
+        steps, walls = instrument(trainer)
         trainer.train()
-        label = f"megatron tp={opts.tp} dp={parallel.world_size() // opts.tp}"
-        if opts.backend == "deepspeed":
-            label = f"deepspeed zero-{opts.zero_stage} dp={parallel.world_size()}"
+        b = opts.backend
+        label = f"megatron tp={b.tp} dp={parallel.world_size() // b.tp}"
+        if b.backend == "deepspeed":
+            label = f"deepspeed zero-{b.zero_stage} dp={parallel.world_size()}"
         out = {"config": label, "ranks": parallel.world_size(), "steps": args.steps}
         out.update(
-            batch_size=opts.batch_size, num_generations=opts.num_generations, **summarize(steps, walls)
+            batch_size=opts.trainer.batch_size,
+            num_generations=opts.rollout.num_generations,
+            **summarize(steps, walls),
         )
         return emit(out, args.json) if parallel.rank() == 0 else None
     finally:

@@ -6,7 +6,7 @@
 Same tiny model, single-turn guess-a-number prompts, same batch (--batch-size completions per
 step in --num-generations groups), --max-new-tokens tokens per completion (no early stop in
 either), KL beta 0.005 with a reference model, one process, one thread. Ours is the Megatron
-trainer through launch/train_grpo.py's options with --max-guesses 1 (see bench_train_step.py).
+trainer through launch/train_grpo.py's options with --task-arg max_guesses=1 (see bench_train_step.py).
 The first step of each is a warm-up; medians over the rest. If TRL cannot run, the JSON says
 why in "trl_error". Prints one JSON object as the last line.
 """
@@ -87,7 +87,7 @@ def ours_step_seconds(steps: int, batch: int, gens: int, max_new: int) -> float:
 
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_train_step.py"), "--json", "--steps", str(steps)]
     cmd += ["--batch-size", str(batch), "--num-generations", str(gens), "--max-new-tokens", str(max_new)]
-    cmd += ["--max-guesses", "1", "--lr", "2e-3", "--beta", "0.005"]
+    cmd += ["--task-arg", "max_guesses=1", "--lr", "2e-3", "--beta", "0.005"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])["step_s"]
 
