@@ -164,3 +164,14 @@ def test_help_lists_every_option_with_its_default():
         "(default: 150)",
     ):
         assert needle in text, needle
+
+
+def test_engine_vllm_without_vllm(run, tmp_path, monkeypatch):
+    import sys
+
+    # vLLM absent (as in the main environment) or unimportable: a None module makes import fail
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    out = tmp_path / "out"
+    res = run("--engine", "vllm", "--output-dir", str(out))
+    _refused(res, out, "--engine vllm: vLLM does not import here")
+    assert "pip install -e" in res.stderr and ".ci/vllm_stage.sh" in res.stderr
