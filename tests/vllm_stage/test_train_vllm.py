@@ -19,6 +19,7 @@ pytest.importorskip(
 
 BACKENDS = {
     "megatron": ["--backend", "megatron"],
+    "megatron-tp2": ["--backend", "megatron", "--tp", "2"],  # one vLLM of TP 2 over both ranks
     "deepspeed-zero1": ["--backend", "deepspeed", "--zero-stage", "1"],
     "deepspeed-zero3": ["--backend", "deepspeed", "--zero-stage", "3"],
 }
@@ -41,3 +42,16 @@ def test_three_steps_generated_by_vllm(tmp_path, backend):
         # and those logprobs are the trained model's own (float32 on both sides)
         assert r["is_weight_mean"] == pytest.approx(1.0, abs=2e-3)
     assert any(r["grad_norm"] > 0 for r in rows)  # the weights did move between the steps
+
+
+def test_resumed_run_generates_with_the_resumed_weights(tmp_path):
+    out = tmp_path / "run"
+    args = ["--output-dir", str(out), "--engine", "vllm", "--lr", "0.05", *SMALL, "--eval-every", "0"]
+    first = torchrun(*args, "--steps", "2", timeout=900)  # SMALL saves at step 2
+    assert first.returncode == 0, first.stderr[-3000:]
+    res = torchrun(*args, "--steps", "3", "--resume", timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    last = metrics(out)[-1]
+    assert last["step"] == 2
+    # vLLM starts from the model folder's weights; loading the checkpoint syncs the trained ones
+    assert last["is_weight_mean"] == pytest.approx(1.0, abs=2e-3)
