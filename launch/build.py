@@ -132,8 +132,14 @@ def check(args: Args) -> TaskSource:
         )
     folder = model_folder(args)
     check_heads(json.loads((folder / "config.json").read_text()), b.tp, str(folder))
+    if b.vllm_sleep and b.engine != "vllm":
+        raise UsageError("--vllm-sleep puts vLLM to sleep during training: it needs --engine vllm")
     if b.engine == "vllm":
         check_vllm()
+        import torch
+
+        if b.vllm_sleep and not torch.cuda.is_available():
+            raise UsageError("--vllm-sleep: vLLM's sleep mode frees GPU memory and needs a GPU (none here)")
     if args.launch.export_hf is not None and b.backend != "megatron":
         raise UsageError("--export-hf is available with --backend megatron only")
     source = task_source(args)

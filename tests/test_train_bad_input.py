@@ -175,3 +175,9 @@ def test_engine_vllm_without_vllm(run, tmp_path, monkeypatch):
     res = run("--engine", "vllm", "--output-dir", str(out))
     _refused(res, out, "--engine vllm: vLLM does not import here")
     assert "pip install -e" in res.stderr and ".ci/vllm_stage.sh" in res.stderr
+
+
+def test_vllm_sleep_without_vllm_engine(run, tmp_path):
+    out = tmp_path / "out"
+    res = run("--vllm-sleep", "--output-dir", str(out))
+    _refused(res, out, "--vllm-sleep puts vLLM to sleep during training: it needs --engine vllm")
