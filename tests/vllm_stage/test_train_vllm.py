@@ -55,3 +55,38 @@ def test_resumed_run_generates_with_the_resumed_weights(tmp_path):
     assert last["step"] == 2
     # vLLM starts from the model folder's weights; loading the checkpoint syncs the trained ones
     assert last["is_weight_mean"] == pytest.approx(1.0, abs=2e-3)
+
+
+def test_megatron_checkpoint_as_model(tmp_path):
+    # a sharded megatron checkpoint holds no HF weights: vLLM starts from dummy ones and the
+    # backend syncs the checkpoint's into it before the first rollout. The run then samples
+    # exactly what vLLM loading the same weights from an HF folder does
+    import subprocess
+    import sys
+
+    from train_utils import ROOT
+
+    first = tmp_path / "first"
+    res = torchrun("--output-dir", str(first), "--steps", "2", "--lr", "0.05", *SMALL, "--eval-every", "0")
+    assert res.returncode == 0, res.stderr[-3000:]
+    checkpoint, hf = first / "checkpoints" / "step-000002", tmp_path / "hf"
+    convert = [
+        sys.executable,
+        str(ROOT / "launch" / "convert.py"),
+        "--megatron",
+        str(checkpoint),
+        "--hf",
+        str(hf),
+    ]
+    done = subprocess.run(convert, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {}
+    for name, model in (("megatron", checkpoint), ("hf", hf)):
+        out = tmp_path / f"run-{name}"
+        args = ["--output-dir", str(out), "--steps", "1", "--model", str(model), "--engine", "vllm", *SMALL]
+        res = torchrun(*args, "--eval-every", "0", timeout=900)
+        assert res.returncode == 0, res.stderr[-3000:]
+        (row,) = metrics(out)
+        rows[name] = {k: row[k] for k in ("reward_mean", "tokens", "loss", "is_weight_mean", "is_kl_k3")}
+    assert rows["megatron"] == rows["hf"]
+    assert rows["hf"]["is_weight_mean"] == pytest.approx(1.0, abs=1e-2)
