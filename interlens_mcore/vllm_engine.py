@@ -29,6 +29,9 @@ After every optimizer step, on every rank that holds a vLLM (weight_sync.py):
   lockstep, unlike `HFEngine` under ZeRO-3.
 - Anything else: `engine.update_weights(hf_tensors(model))`.
 
+The GRPO trainer does all of this with `--engine vllm` (`trainers.backend.ColocatedVLLM`): it
+syncs once after each rollout's optimizer steps and records the time as `weight_sync_s`.
+
 Example (each rank, after `torch.distributed` is initialised by torchrun)::
 
     engine = VLLMEngine.create("path/to/hf_model", VLLMConfig(tensor_parallel_size=1))

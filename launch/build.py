@@ -132,6 +132,14 @@ def check(args: Args) -> TaskSource:
         )
     folder = model_folder(args)
     check_heads(json.loads((folder / "config.json").read_text()), b.tp, str(folder))
+    if b.vllm_sleep and b.engine != "vllm":
+        raise UsageError("--vllm-sleep puts vLLM to sleep during training: it needs --engine vllm")
+    if b.engine == "vllm":
+        check_vllm()
+        import torch
+
+        if b.vllm_sleep and not torch.cuda.is_available():
+            raise UsageError("--vllm-sleep: vLLM's sleep mode frees GPU memory and needs a GPU (none here)")
     if args.launch.export_hf is not None and b.backend != "megatron":
         raise UsageError("--export-hf is available with --backend megatron only")
     source = task_source(args)
@@ -156,6 +164,18 @@ def run_info(args: Args, source: TaskSource) -> dict[str, Any]:
     described = describe_run(args.trainer, args.rollout, args.loss, source, rewards, world_size())
     launch = {k: v for k, v in dataclasses.asdict(args.launch).items() if k not in ("resume", "export_hf")}
     return {**described, **dataclasses.asdict(args.backend), **launch}
+
+
+def check_vllm() -> None:
+    """--engine vllm needs vLLM importable here (a broken install fails at import, not only a missing one)."""
+    try:
+        import vllm  # noqa: F401
+    except Exception as exc:  # ImportError, or the RuntimeError of a build for another device
+        reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
+        raise UsageError(
+            f"--engine vllm: vLLM does not import here ({reason}); on a GPU install it with "
+            'pip install -e ".[all,vllm]", on CPU run in the environment .ci/vllm_stage.sh builds'
+        ) from None
 
 
 def check_heads(hf_config: dict, tp: int, where: str) -> None:

@@ -164,3 +164,20 @@ def test_help_lists_every_option_with_its_default():
         "(default: 300)",
     ):
         assert needle in text, needle
+
+
+def test_engine_vllm_without_vllm(run, tmp_path, monkeypatch):
+    import sys
+
+    # vLLM absent (as in the main environment) or unimportable: a None module makes import fail
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    out = tmp_path / "out"
+    res = run("--engine", "vllm", "--output-dir", str(out))
+    _refused(res, out, "--engine vllm: vLLM does not import here")
+    assert "pip install -e" in res.stderr and ".ci/vllm_stage.sh" in res.stderr
+
+
+def test_vllm_sleep_without_vllm_engine(run, tmp_path):
+    out = tmp_path / "out"
+    res = run("--vllm-sleep", "--output-dir", str(out))
+    _refused(res, out, "--vllm-sleep puts vLLM to sleep during training: it needs --engine vllm")

@@ -17,11 +17,19 @@ object with these members::
         def load(self, folder): ...
         def export_hf(self, out_dir): ...
         def frozen_engine(self): ...            # the initial weights, for frozen opponent seats
+        def sync_engine_weights(self) -> float: ...  # after the optimizer steps; seconds taken
+
+Both backends take `vllm=VLLMConfig(...)` (`--engine vllm`): `engine` is then a `VLLMEngine`
+colocated in the training ranks on the rollout group, and `sync_engine_weights` hands it the
+trained weights from memory. With their own engine (`--engine native`) it does nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -30,6 +38,7 @@ import torch
 from interlens_mcore import parallel
 from interlens_mcore.batch import TrainingBatch
 from interlens_mcore.engine import Engine
+from interlens_mcore.vllm_engine import VLLMConfig
 
 from .config import BackendConfig, TrainerConfig
 
@@ -65,6 +74,47 @@ class Backend(Protocol):
 
     def frozen_engine(self) -> Engine: ...
 
+    def sync_engine_weights(self) -> float:
+        """Give the generating engine the trained weights; returns the seconds it took (collective).
+
+        Every rank calls it at the same point, after the optimizer steps of a rollout. An engine
+        that generates with the trained model itself needs nothing: 0.0.
+        """
+
+
+class ColocatedVLLM:
+    """A backend's `VLLMEngine` and what it needs around it: weight syncs, sleep during training.
+
+    With `VLLMConfig.enable_sleep` (GPU) vLLM frees its memory at the first training forward
+    after a rollout (`idle`) and takes it back before the next weight sync.
+    """
+
+    def __init__(self, model_path: Path, config: VLLMConfig, *, group: Any, tensors: Callable[[], Iterable]):
+        from interlens_mcore.vllm_engine import VLLMEngine
+
+        # a sharded megatron checkpoint has no HF weights for vLLM to read: start from random
+        # ones and sync the real ones at once
+        megatron = (Path(model_path) / "megatron.json").is_file()
+        if megatron:
+            config = dataclasses.replace(config, extra={**config.extra, "load_format": "dummy"})
+        self.engine = VLLMEngine.create(str(model_path), config, group=group)
+        self.tensors, self.sleep, self.asleep = tensors, config.enable_sleep, False
+        if megatron:
+            self.sync()
+
+    def idle(self) -> None:
+        if self.sleep and not self.asleep:
+            self.engine.release()
+            self.asleep = True
+
+    def sync(self) -> float:
+        t0 = time.perf_counter()
+        if self.asleep:
+            self.engine.resume()
+            self.asleep = False
+        self.engine.update_weights(self.tensors())
+        return time.perf_counter() - t0
+
 
 def build_backend(
     cfg: BackendConfig,
@@ -81,6 +131,16 @@ def build_backend(
 
     `trajectories_per_rank` (samples x trained seats) fixes DeepSpeed's accumulation steps.
     """
+
+    def vllm(tp: int) -> VLLMConfig | None:
+        if cfg.engine == "native":
+            return None
+        return VLLMConfig(
+            tensor_parallel_size=tp,
+            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+            enable_sleep=cfg.vllm_sleep,
+        )
+
     if cfg.backend == "megatron":
         from .megatron_backend import MegatronBackend
 
@@ -95,12 +155,15 @@ def build_backend(
             temperature=temperature,
             reference=reference,
             tokenizer=tokenizer,
+            vllm=vllm(groups.tp_size),  # vLLM's TP group is the rollout group: the trainer's TP
         )
         return backend, groups
     from .deepspeed_backend import DeepSpeedBackend, deepspeed_config
 
-    # ZeRO-3 gathers parameters in every forward: generation is collective over the DP group
-    groups = parallel.build_groups(rollout="data_parallel" if cfg.zero_stage == 3 else "model_parallel")
+    # ZeRO-3 gathers parameters in every forward: HFEngine's generation is collective over the DP
+    # group. vLLM (TP=1 on each rank) holds whole weights of its own and generates alone
+    lockstep = cfg.zero_stage == 3 and cfg.engine == "native"
+    groups = parallel.build_groups(rollout="data_parallel" if lockstep else "model_parallel")
     micro = math.ceil(trajectories_per_rank / micro_batch_size) if micro_batch_size else 1
     ds = deepspeed_config(
         zero_stage=cfg.zero_stage,
@@ -116,5 +179,6 @@ def build_backend(
         tokenizer=tokenizer,
         temperature=temperature,
         reference=reference,
+        vllm=vllm(1),
     )
     return backend, groups

@@ -100,6 +100,21 @@ class BackendConfig:
     pp: int = field(default=1, metadata={"help": "pipeline-parallel size (only 1 yet: docs/parallelism.md)"})
     cp: int = field(default=1, metadata={"help": "context-parallel size (only 1 yet: docs/parallelism.md)"})
     zero_stage: Literal[1, 2, 3] = field(default=3, metadata={"help": "DeepSpeed ZeRO stage"})
+    engine: Literal["native", "vllm"] = field(
+        default="native",
+        metadata={
+            "help": "what generates the rollouts: native (the backend's own model: MegatronEngine or "
+            "HFEngine) or vllm (colocated in the training ranks, weights synced after every step; "
+            "needs the vllm extra)"
+        },
+    )
+    vllm_gpu_memory_utilization: float = field(
+        default=0.9, metadata={"help": "with --engine vllm on GPU: the share of GPU memory vLLM may take"}
+    )
+    vllm_sleep: bool = field(
+        default=False,
+        metadata={"help": "with --engine vllm on GPU: free vLLM's weights and KV cache during training"},
+    )
 
     def __post_init__(self) -> None:
         if self.tp < 1:
@@ -110,3 +125,8 @@ class BackendConfig:
             )
         if self.zero_stage not in (1, 2, 3):
             raise ValueError(f"BackendConfig.zero_stage must be 1, 2 or 3, got {self.zero_stage}")
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            raise ValueError(
+                "BackendConfig.vllm_gpu_memory_utilization must be in (0, 1], "
+                f"got {self.vllm_gpu_memory_utilization}"
+            )

@@ -4,7 +4,8 @@ Placement: every rank is a DP replica (ZeRO shards optimizer state, gradients an
 3, the parameters over the DP group). At stage 3 every forward gathers parameters across the
 DP group, so generation is collective over it: the HF engine runs in lockstep mode
 (`sync_group`) and the rollout vote covers the same group. Below stage 3 each rank generates
-on its own.
+on its own, and so does a colocated vLLM (`vllm=VLLMConfig(...)`, TP=1 on every rank) at any
+stage: it holds whole weights, which `sync_engine_weights` gathers into it after each step.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ import torch
 from interlens_mcore.batch import TrainingBatch
 from interlens_mcore.engine import HFEngine
 from interlens_mcore.logprobs import token_logprobs
+from interlens_mcore.vllm_engine import VLLMConfig
+from interlens_mcore.weight_sync import hf_tensors, zero3_hf_tensors
+
+from .backend import ColocatedVLLM
 
 
 def deepspeed_config(
@@ -60,6 +65,7 @@ class DeepSpeedBackend:
         tokenizer: Any,
         temperature: float = 1.0,
         reference: bool = False,
+        vllm: VLLMConfig | None = None,
     ):
         import deepspeed
         from transformers import AutoModelForCausalLM
@@ -86,9 +92,22 @@ class DeepSpeedBackend:
             model=model, model_parameters=model.parameters(), config=ds_config
         )
         self._skipped_seen = self.ds.skipped_steps
-        # the lockstep flag is a CPU tensor: it rides the gloo vote group over the same ranks
-        sync = groups.vote if self.zero_stage == 3 else None
-        self.engine = HFEngine(self.ds.module, tokenizer, sync_group=sync)
+        self.colocated = None
+        if vllm is not None:
+            if vllm.tensor_parallel_size != 1:
+                raise ValueError(
+                    f"VLLMConfig.tensor_parallel_size {vllm.tensor_parallel_size}: the deepspeed backend "
+                    "colocates one vLLM of TP 1 on every rank"
+                )
+            gather = zero3_hf_tensors if self.zero_stage == 3 else hf_tensors
+            self.colocated = ColocatedVLLM(
+                self.model_path, vllm, group=None, tensors=lambda: gather(self.ds.module)
+            )
+            self.engine = self.colocated.engine
+        else:
+            # the lockstep flag is a CPU tensor: it rides the gloo vote group over the same ranks
+            sync = groups.vote if self.zero_stage == 3 else None
+            self.engine = HFEngine(self.ds.module, tokenizer, sync_group=sync)
 
     @property
     def has_reference(self) -> bool:
@@ -112,6 +131,8 @@ class DeepSpeedBackend:
 
     def logprobs_of(self, batch: TrainingBatch, *, reference: bool = False) -> torch.Tensor:
         """[N, T] logprobs of batch.targets: the trained model's with gradient, or the reference's."""
+        if self.colocated is not None:
+            self.colocated.idle()  # the rollout is over: vLLM may free its memory until the sync
         if reference:
             with torch.no_grad():
                 return self._logprobs(self.reference, batch)
@@ -142,6 +163,10 @@ class DeepSpeedBackend:
         norm = self.ds.get_global_grad_norm()
         return float(norm) if norm is not None else 0.0
 
+    def sync_engine_weights(self) -> float:
+        """See `Backend.sync_engine_weights`: ZeRO-3 gathers each parameter (collective over DP)."""
+        return self.colocated.sync() if self.colocated is not None else 0.0
+
     def save(self, folder: Path) -> None:
         self.ds.save_checkpoint(str(folder), tag="deepspeed")
 
@@ -150,3 +175,4 @@ class DeepSpeedBackend:
         if path is None:
             raise ValueError(f"checkpoint {folder} holds no DeepSpeed state")
         self._skipped_seen = self.ds.skipped_steps  # the engine's counter comes back with it
+        self.sync_engine_weights()  # a resumed run generates with the weights it resumes from

@@ -8,6 +8,7 @@ One step, on every rank::
     adv      = rollout_advantages(trajectories)          # per (prompt, seat) group
     batches  = micro_batches(rollout)                    # packed THD or padded
     for each update: logprobs -> loss -> backward; backend.optimizer_step()
+    backend.sync_engine_weights()                        # a colocated vLLM gets the new weights
     log; checkpoint every save_every steps
 
 Extension points (none of them a subclass of this class): the `Backend` (trainers.backend), the
@@ -105,6 +106,8 @@ class GRPOTrainer:
             groups=groups,
             config=self.rollout_config,
             frozen_seats=tasks.frozen_seats,
+            # a frozen opponent keeps the backend's own engine over the initial weights, with
+            # --engine vllm too: its weights never change, so nothing is synced into it
             frozen_engine=backend.frozen_engine,
             stop=tasks.stop,
         )
@@ -188,6 +191,10 @@ class GRPOTrainer:
             pad_id=pad_id(self.tokenizer),
         )
         metrics = update(self, batches, shared)
+        # once after the rollout's optimizer steps: nothing generates between them. The slowest
+        # rank's time is the step's (collective: every rank syncs here)
+        sync_s = torch.tensor([self.backend.sync_engine_weights()], dtype=torch.float64)
+        sync_s = float(parallel.all_reduce(sync_s, "max")[0])
         t2 = time.perf_counter()
         rec = {
             "step": self.step,
@@ -195,6 +202,7 @@ class GRPOTrainer:
             **record.train_figures(metrics, skipped_steps=self.skipped_steps),
             "rollout_s": round(t1 - t0, 3),
             "train_s": round(t2 - t1, 3),
+            "weight_sync_s": round(sync_s, 4),
         }
         return rec, rollout
 

@@ -28,12 +28,18 @@ from interlens_mcore.megatron.engine import MegatronEngine
 from interlens_mcore.megatron.model import vocab_start
 from interlens_mcore.megatron.training import TrainingOptions, build_training, choose_path, model_overrides
 from interlens_mcore.megatron.weights import copy_hf_files, load_weights
+from interlens_mcore.vllm_engine import VLLMConfig
+from interlens_mcore.weight_sync import megatron_hf_tensors
+
+from .backend import ColocatedVLLM
 
 
 class MegatronBackend:
     """A megatron-core model for GRPO; `parallel.init_megatron(tp)` must have run.
 
-    `reference=True` keeps a frozen copy of the initial weights for the KL term.
+    `reference=True` keeps a frozen copy of the initial weights for the KL term. With `vllm`
+    (its `tensor_parallel_size` the TP size) a colocated vLLM over the rollout group generates
+    instead of `MegatronEngine`, and `sync_engine_weights` gathers the TP shards into it.
     """
 
     layout = "packed"
@@ -52,6 +58,7 @@ class MegatronBackend:
         reference: bool = False,
         seed: int = 0,
         tokenizer: Any = None,
+        vllm: VLLMConfig | None = None,
     ):
         self.groups, self.temperature, self.tokenizer = groups, temperature or 1.0, tokenizer
         self._frozen_engine = None  # a frozen opponent's: built on first use
@@ -70,10 +77,25 @@ class MegatronBackend:
         self.reference = self._initial_model() if reference else None
         self.training = build_training(self.model, options, groups, path=self.path)
         self.train_model, self.optimizer = self.training.train_model, self.training.optimizer
-        # the tokenizer decodes sampled ids for stop strings (a tool call's closing tag)
-        self.engine = MegatronEngine(
-            self.model, self.layout_info, group=groups.rollout, tp_group=groups.tp, tokenizer=tokenizer
-        )
+        self.colocated = None
+        if vllm is not None:
+            if vllm.tensor_parallel_size != groups.tp_size:
+                raise ValueError(
+                    f"VLLMConfig.tensor_parallel_size {vllm.tensor_parallel_size} must equal the "
+                    f"trainer's TP {groups.tp_size}: vLLM's TP group is the rollout group"
+                )
+            self.colocated = ColocatedVLLM(
+                self.model_path,
+                vllm,
+                group=groups.rollout,
+                tensors=lambda: megatron_hf_tensors(self.model, self.layout_info),
+            )
+            self.engine = self.colocated.engine
+        else:
+            # the tokenizer decodes sampled ids for stop strings (a tool call's closing tag)
+            self.engine = MegatronEngine(
+                self.model, self.layout_info, group=groups.rollout, tp_group=groups.tp, tokenizer=tokenizer
+            )
 
     @property
     def has_reference(self) -> bool:
@@ -107,6 +129,8 @@ class MegatronBackend:
         """[1, T] logprobs of batch.targets: the trained model's with gradient, or the reference's."""
         if batch.layout != "packed" or batch.num_tokens != batch.input_ids.shape[1]:
             raise ValueError("MegatronBackend needs packed batches without padding (pad_to_multiple=1)")
+        if self.colocated is not None:
+            self.colocated.idle()  # the rollout is over: vLLM may free its memory until the sync
         if reference:
             with torch.no_grad():
                 return self._logprobs(self.reference, batch)
@@ -136,6 +160,10 @@ class MegatronBackend:
         """See `Backend.optimizer_step`: one global norm on every rank, a non-finite one skips."""
         return self.training.step()
 
+    def sync_engine_weights(self) -> float:
+        """See `Backend.sync_engine_weights`: TP shards gathered into vLLM (collective over TP)."""
+        return self.colocated.sync() if self.colocated is not None else 0.0
+
     def grad_norm(self) -> torch.Tensor:
         """The 2-norm of the whole model's gradient (collective over TP), float64 (CPU path)."""
         return self.training.grad_norm()
@@ -148,6 +176,7 @@ class MegatronBackend:
 
     def load(self, folder: Path) -> None:
         megatron_checkpoint.load(folder, self.model, self.layout_info, self.optimizer)
+        self.sync_engine_weights()  # a resumed run generates with the weights it resumes from
 
     def export_hf(self, out_dir: str | Path) -> Path:
         """The trained weights as an HF folder (collective over the world)."""
