@@ -18,6 +18,7 @@ import torch
 from interlens_mcore.batch import TrainingBatch
 from interlens_mcore.engine import HFEngine
 from interlens_mcore.logprobs import token_logprobs
+from interlens_mcore.prefix_cache import PrefixCachingEngine
 from interlens_mcore.vllm_engine import VLLMConfig
 from interlens_mcore.weight_sync import hf_tensors, zero3_hf_tensors
 
@@ -107,7 +108,9 @@ class DeepSpeedBackend:
         else:
             # the lockstep flag is a CPU tensor: it rides the gloo vote group over the same ranks
             sync = groups.vote if self.zero_stage == 3 else None
-            self.engine = HFEngine(self.ds.module, tokenizer, sync_group=sync)
+            # the prefix cache keeps each conversation's keys/values between its turns (the same
+            # tokens as HFEngine, a shorter prefill); it is cleared whenever the weights change
+            self.engine = PrefixCachingEngine(self.ds.module, tokenizer, sync_group=sync)
 
     @property
     def has_reference(self) -> bool:
@@ -164,8 +167,15 @@ class DeepSpeedBackend:
         return float(norm) if norm is not None else 0.0
 
     def sync_engine_weights(self) -> float:
-        """See `Backend.sync_engine_weights`: ZeRO-3 gathers each parameter (collective over DP)."""
-        return self.colocated.sync() if self.colocated is not None else 0.0
+        """See `Backend.sync_engine_weights`: ZeRO-3 gathers each parameter (collective over DP).
+
+        With the native engine nothing moves (it generates with the trained module itself): its
+        prefix cache is cleared.
+        """
+        if self.colocated is not None:
+            return self.colocated.sync()
+        self.engine.clear()  # the cached keys/values were computed with the old weights
+        return 0.0
 
     def save(self, folder: Path) -> None:
         self.ds.save_checkpoint(str(folder), tag="deepspeed")
