@@ -25,12 +25,20 @@ def load_object(spec: str, *, what: str) -> Any:
 
 
 def load_module(name: str, *, what: str):
-    """An importable module, or a .py file by path (registered under its stem)."""
+    """An importable module, or a .py file by path (registered under its stem).
+
+    A file is executed once: naming it again (a plugin that is also a task and a reward module,
+    the launcher's check and its build) returns the module already loaded from it, so whatever
+    it registers is registered once.
+    """
     if name.endswith(".py") or "/" in name:
         path = Path(name)
         if not path.is_file():
             raise ValueError(f"{what} {name!r}: no such file")
-        spec = importlib.util.spec_from_file_location(path.stem, path)
+        loaded = sys.modules.get(path.stem)
+        if loaded is not None and getattr(loaded, "__file__", None) == str(path.resolve()):
+            return loaded
+        spec = importlib.util.spec_from_file_location(path.stem, path.resolve())
         module = importlib.util.module_from_spec(spec)
         sys.modules[path.stem] = module
         spec.loader.exec_module(module)

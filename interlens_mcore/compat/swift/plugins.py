@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from ... import MultiTurnScheduler as NativeScheduler
+from ...plugins import load_module
 from .scheduler import InferEngine, MultiTurnScheduler, multi_turns
 
 
@@ -24,12 +24,8 @@ def load_plugins(paths: Sequence[str | Path]) -> list[str]:
     for path in map(Path, paths):
         if not path.is_file() or path.suffix != ".py":
             raise ValueError(f"external plugin {str(path)!r} is not a .py file")
-        name = path.stem
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # so MODULE:CLASS finds it, and pickling by reference works
-        spec.loader.exec_module(module)
-        names.append(name)
+        # registered under its stem, so MODULE:CLASS finds it and pickling by reference works
+        names.append(load_module(str(path), what="--external-plugins").__name__)
     return names
 
 
