@@ -211,7 +211,8 @@ def transcript_ids(chat: ChatFormat, messages: list[Message]) -> tuple[list[int]
     A policy turn is laid out as a rollout samples it: the generation prompt, the reply's ids
     and eos (the sampled part, trained), then what the template closes a turn with.
     """
-    ids, mask = [], []
+    ids = chat.preamble_ids(messages[0].role) if messages else []
+    mask = [0] * len(ids)
     for m in messages:
         if m.role == "assistant":
             head, tail = chat.generation_prompt_ids(), chat.close_ids("stop")

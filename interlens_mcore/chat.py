@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _PROBE = "\x00probe\x00"
+_ANCHOR = "\x00anchor\x00"
 
 
 @dataclass
@@ -15,6 +16,12 @@ class ChatFormat:
     Every non-sampled message is rendered on its own (`message_ids`); a policy turn is
     `generation_prompt_ids` + sampled ids + `close_ids(finish_reason)`. Rendering a message once
     and never again is what keeps the training sequence equal to what the engine saw.
+
+    A message's ids are those the template gives it inside a conversation, not at its start:
+    what a template puts only before the first message (a default system block when the first
+    message is not a system one, as SmolLM2's and Qwen2.5's templates do; a bos token) is
+    `preamble_ids(first_role)`, added once by whoever opens a conversation
+    (`conversation_ids` does both).
     """
 
     tokenizer: Any  # a transformers tokenizer with a chat template
@@ -39,6 +46,41 @@ class ChatFormat:
         if not self._assistant_tail.startswith(eos):
             raise ValueError(f"chat template: an assistant message must end with the eos token {eos!r}")
 
+    def _in_context(self, message: dict) -> str:
+        """The text `message` adds to a conversation it does not open.
+
+        Found as the difference between a conversation of one anchor message and that
+        conversation with `message` after it; a template that refuses the anchor (or renders
+        the conversation so that it does not extend) gets the message rendered alone.
+        """
+        for anchor in ({"role": "system", "content": _ANCHOR}, {"role": "user", "content": _ANCHOR}):
+            try:
+                before = self._render([anchor], False)
+                after = self._render([anchor, message], False)
+            except Exception:  # e.g. a template that raises on a system message
+                continue
+            if after.startswith(before):
+                return after[len(before) :]
+        return self._render([message], False)
+
+    def preamble_ids(self, first_role: str = "user") -> list[int]:
+        """Ids the template puts before the first message when that one has `first_role`."""
+        key = f"preamble:{first_role}"
+        if key not in self._cache:
+            probe = {"role": first_role, "content": _PROBE}
+            alone, piece = self._render([probe], False), self._in_context(probe)
+            self._cache[key] = self.encode(alone[: -len(piece)]) if piece and alone.endswith(piece) else []
+        return list(self._cache[key])
+
+    def conversation_ids(self, messages: list[dict]) -> list[int]:
+        """Ids of whole messages ({"role", "content"[, "name"]}) opening a conversation."""
+        if not messages:
+            return []
+        ids = self.preamble_ids(messages[0]["role"])
+        for m in messages:
+            ids += self.message_ids(m["role"], m["content"], name=m.get("name"))
+        return ids
+
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt
@@ -57,7 +99,7 @@ class ChatFormat:
         return any(t in text for t in self._control)
 
     def message_ids(self, role: str, content: str, *, name: str | None = None) -> list[int]:
-        """Token ids of one message rendered on its own; its content is text, never control.
+        """Token ids of one message inside a conversation; its content is text, never control.
 
         `name` (the speaker's seat) goes to the template's `name` field; a template that
         ignores it renders the message as if it were absent.
@@ -70,7 +112,7 @@ class ChatFormat:
                     f"message of role {role!r} holds control text of the chat template ({content[:40]!r}) "
                     "and this template cannot be split around the content; remove it from the message"
                 )
-            return self.encode(self._render([message], False))
+            return self.encode(self._in_context(message))
         if self._has_control_text(content):  # the frame is control, the content is text
             return self.encode(frame[0]) + self.encode_text(content) + self.encode(frame[1])
         return self.encode(frame[0] + content + frame[1])
@@ -85,7 +127,7 @@ class ChatFormat:
         """
         if role not in self._frames:
             probes = [" \x00a\x00 ", "\x00bb\x00\n"]
-            renders = [self._render([{"role": role, "content": p}], False) for p in probes]
+            renders = [self._in_context({"role": role, "content": p}) for p in probes]
             head = renders[0].split(probes[0])[0]
             tail = renders[0][len(head) + len(probes[0]) :]
             ok = all(r == head + p + tail for p, r in zip(probes, renders))

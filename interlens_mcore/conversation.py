@@ -198,10 +198,10 @@ class Conversation:
         self._stops = stops
         for p in self.policies():
             view = View()
-            if p.system_prompt:
-                view.append(p.chat.message_ids("system", p.system_prompt))
-            for m in self.prompt:
-                view.append(p.chat.message_ids(m.role, m.content))
+            opening = [{"role": "system", "content": p.system_prompt}] if p.system_prompt else []
+            opening += [{"role": m.role, "content": m.content} for m in self.prompt]
+            if opening:
+                view.append(p.chat.conversation_ids(opening))
             self.views[p.name] = view
 
     def _clone(self, condition: StopCondition) -> StopCondition:

@@ -53,8 +53,7 @@ class MultiTurnRequest:
         """
         prefill = bool(messages) and messages[-1]["role"] == "assistant"
         head = messages[:-1] if prefill else messages
-        ids = [t for m in head for t in chat.message_ids(m["role"], m["content"])]
-        ids += chat.generation_prompt_ids()
+        ids = chat.conversation_ids(head) + chat.generation_prompt_ids()
         if prefill:
             ids += chat.encode_text(messages[-1]["content"])
         return cls(index=index, prompt_ids=ids, messages=[dict(m) for m in messages], data=data or {})

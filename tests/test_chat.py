@@ -77,3 +77,52 @@ def test_a_speakers_name_goes_to_the_templates_name_field(tiny):
         == "<|im_start|>user (player_b)\nhi<|im_end|>\n"
     )
     assert chat.message_ids("user", "hi") == ChatFormat(tok).message_ids("user", "hi")
+
+
+DEFAULT_SYSTEM = "You are a careful assistant."
+
+
+def _default_system_template(tok):
+    """The tiny template plus a default system block before a first message that is not one
+    (as SmolLM2's and Qwen2.5's templates do)."""
+    opening = (
+        "{% if loop.first and messages[0]['role'] != 'system' %}"
+        "<|im_start|>system\n" + DEFAULT_SYSTEM + "<|im_end|>\n{% endif %}"
+    )
+    templated = copy.deepcopy(tok)
+    templated.chat_template = tok.chat_template.replace("{% for m in messages %}", "{% for m in messages %}" + opening)
+    assert templated.chat_template != tok.chat_template
+    return templated
+
+
+@pytest.mark.parametrize("first", ["user", "system"])
+def test_a_default_system_block_opens_the_conversation_once(tiny, first):
+    _, tok = tiny
+    templated = _default_system_template(tok)
+    chat = ChatFormat(templated)
+    messages = [
+        {"role": first, "content": "rules"},
+        {"role": "user", "content": "What is 3 + 4?"},
+        {"role": "assistant", "content": "7"},
+        {"role": "user", "content": "wrong, again"},
+    ]
+    full = templated.encode(templated.apply_chat_template(messages, tokenize=False), add_special_tokens=False)
+    assert chat.conversation_ids(messages) == full
+    assert templated.decode(chat.conversation_ids(messages)).count(DEFAULT_SYSTEM) == (first != "system")
+    # a message inside the conversation never carries the block; a lone render would
+    assert DEFAULT_SYSTEM not in templated.decode(chat.message_ids("user", "again"))
+    assert chat.message_ids("user", "again") == ChatFormat(tok).message_ids("user", "again")
+    assert chat.preamble_ids("system") == [] and DEFAULT_SYSTEM in templated.decode(chat.preamble_ids("user"))
+
+
+def test_a_multi_turn_view_holds_the_default_system_block_once(tiny):
+    """A conversation built turn by turn renders what the template renders for the whole."""
+    from interlens_mcore.scheduler import MultiTurnRequest
+
+    _, tok = tiny
+    templated = _default_system_template(tok)
+    chat = ChatFormat(templated)
+    messages = [{"role": "user", "content": "Guess my number."}]
+    request = MultiTurnRequest.from_messages(chat, messages, index=0)
+    expected = templated.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert request.prompt_ids == templated.encode(expected, add_special_tokens=False)

@@ -66,7 +66,7 @@ def _render(chat: ChatFormat, messages: list[Message], offset: int, where: str) 
     A last assistant message is the start of the reply (a prefill): it is opened, not closed,
     and the engine continues it.
     """
-    ids: list[int] = []
+    ids: list[int] = chat.preamble_ids(messages[0]["role"]) if messages and offset == 0 else []
     for i, m in enumerate(messages[:-1] if messages else []):
         ids += chat.message_ids(m["role"], _text(m, offset + i, where))
     last = messages[-1] if messages else None
