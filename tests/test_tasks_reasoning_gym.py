@@ -38,6 +38,12 @@ def test_answer_rule(text, answer):
 def test_answer_rule_options():
     assert AnswerRule(fallback="none").extract("just 5") is None
     assert AnswerRule(fallback="whole").extract(" a\nb ") == "a\nb"
+    last_number = AnswerRule(fallback="last_number")
+    assert last_number.extract("1 + 6 = 7") == "7"
+    assert last_number.extract("so 12 - 30 is -18.\nDone") == "-18"
+    assert last_number.extract("about 1,234.5 apples") == "1234.5"
+    assert last_number.extract("no digits here") is None
+    assert last_number.extract("<answer>9</answer> not 8") == "9"  # the tag still wins
     assert AnswerRule(tag="final").extract("<final>x</final><answer>y</answer>") == "x"
     assert AnswerRule(tag=None).extract("<answer>y</answer>\nz") == "z"
     with pytest.raises(ValueError, match="fallback must be"):

@@ -156,6 +156,7 @@ def build_backend(
             reference=reference,
             tokenizer=tokenizer,
             vllm=vllm(groups.tp_size),  # vLLM's TP group is the rollout group: the trainer's TP
+            compute_dtype=torch.bfloat16 if cfg.bf16 else None,
         )
         return backend, groups
     from .deepspeed_backend import DeepSpeedBackend, deepspeed_config

@@ -108,6 +108,14 @@ class BackendConfig:
             "needs the vllm extra)"
         },
     )
+    bf16: bool = field(
+        default=False,
+        metadata={
+            "help": "megatron backend: forwards (training and the native engine) under bfloat16 "
+            "autocast, float32 weights and optimizer; on a CPU with AVX512-BF16 or AMX matmuls run "
+            "about 4x faster"
+        },
+    )
     vllm_gpu_memory_utilization: float = field(
         default=0.9, metadata={"help": "with --engine vllm on GPU: the share of GPU memory vLLM may take"}
     )
@@ -122,6 +130,11 @@ class BackendConfig:
         if self.backend == "deepspeed" and self.tp != 1:
             raise ValueError(
                 f"BackendConfig.tp {self.tp}: the deepspeed backend has no tensor parallelism (use --tp 1)"
+            )
+        if self.bf16 and self.backend != "megatron":
+            raise ValueError(
+                f"BackendConfig.bf16 is for the megatron backend; --backend {self.backend} computes "
+                "in the model's own dtype (drop --bf16)"
             )
         if self.zero_stage not in (1, 2, 3):
             raise ValueError(f"BackendConfig.zero_stage must be 1, 2 or 3, got {self.zero_stage}")

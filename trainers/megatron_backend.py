@@ -59,9 +59,11 @@ class MegatronBackend:
         seed: int = 0,
         tokenizer: Any = None,
         vllm: VLLMConfig | None = None,
+        compute_dtype: torch.dtype | None = None,
     ):
         self.groups, self.temperature, self.tokenizer = groups, temperature or 1.0, tokenizer
         self._frozen_engine = None  # a frozen opponent's: built on first use
+        self.compute_dtype = compute_dtype  # autocast dtype of every forward (None: the weights')
         self.model_path = Path(model_path)  # an HF folder or a sharded megatron checkpoint
         self.layout_info = load_layout(self.model_path)
         options = TrainingOptions(lr=lr, weight_decay=weight_decay, grad_clip=grad_clip)
@@ -94,7 +96,12 @@ class MegatronBackend:
         else:
             # the tokenizer decodes sampled ids for stop strings (a tool call's closing tag)
             self.engine = MegatronEngine(
-                self.model, self.layout_info, group=groups.rollout, tp_group=groups.tp, tokenizer=tokenizer
+                self.model,
+                self.layout_info,
+                group=groups.rollout,
+                tp_group=groups.tp,
+                tokenizer=tokenizer,
+                compute_dtype=compute_dtype,
             )
 
     @property
@@ -122,6 +129,7 @@ class MegatronBackend:
                 tp_group=self.groups.tp,
                 name="frozen",
                 tokenizer=self.tokenizer,
+                compute_dtype=self.compute_dtype,
             )
         return self._frozen_engine
 
@@ -138,7 +146,9 @@ class MegatronBackend:
         return self._logprobs(self.train_model, batch)
 
     def _logprobs(self, model: torch.nn.Module, batch: TrainingBatch) -> torch.Tensor:
-        logits = forward_logits(model, self.layout_info, batch.input_ids, batch.cu_seqlens)  # [T, V_pad / tp]
+        logits = forward_logits(  # [T, V_pad / tp]
+            model, self.layout_info, batch.input_ids, batch.cu_seqlens, compute_dtype=self.compute_dtype
+        )
         targets = batch.targets[0]  # [T]
         t = self.temperature
         if self.groups.tp_size == 1:
@@ -154,7 +164,11 @@ class MegatronBackend:
         return lp[None]  # [1, T]
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.training.backward(loss)
+        # megatron's linear layers save the autocast state of the CUDA device for their backward;
+        # on CPU the backward itself runs under autocast, so its matmuls see one dtype
+        dtype = self.compute_dtype
+        with torch.autocast(loss.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            self.training.backward(loss)
 
     def optimizer_step(self) -> float:
         """See `Backend.optimizer_step`: one global norm on every rank, a non-finite one skips."""

@@ -90,6 +90,7 @@ class MegatronEngine:
     use_kv_cache: bool = True  # where the model supports it (CPU spec); else full recompute
     stats: EngineStats = field(default_factory=EngineStats)
     tokenizer: Any = None  # decodes sampled ids for stop strings (requests with `stop` need one)
+    compute_dtype: torch.dtype | None = None  # autocast dtype of the forward (None: the weights')
 
     def __post_init__(self) -> None:
         if not self.max_context:
@@ -129,7 +130,7 @@ class MegatronEngine:
         cu[1:] = lengths.cumsum(0)
         ids = torch.tensor([[t for s in seqs for t in s]], dtype=torch.long)  # [1, T]
         t0 = time.perf_counter()
-        logits = forward_logits(self.model, self.layout, ids, cu)  # [T, V_local]
+        logits = forward_logits(self.model, self.layout, ids, cu, compute_dtype=self.compute_dtype)  # [T, V_local]
         if cache is not None:
             cache.advance(cu)
         self.stats.forward_s += time.perf_counter() - t0

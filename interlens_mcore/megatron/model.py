@@ -228,14 +228,27 @@ def forward_logits(
     layout: ModelLayout,
     input_ids: torch.Tensor,
     cu_seqlens: torch.Tensor | None = None,
+    *,
+    compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """This rank's vocabulary shard of the logits; padded vocabulary entries are -inf.
+
+    `compute_dtype` (e.g. torch.bfloat16): the forward runs under autocast to it (weights stay
+    in their own dtype, the optimizer's master copy) and the logits come back as float32.
 
     Packed: input_ids [1, T] with cu_seqlens [N + 1] -> [T, V_pad / tp] (positions restart
     per sequence). Unpacked: input_ids [B, T], causal, right padding only -> [B, T, V_pad / tp].
     """
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
+    with torch.autocast(device.type, dtype=compute_dtype or torch.bfloat16, enabled=compute_dtype is not None):
+        logits = _forward(model, input_ids, cu_seqlens, device)
+    if compute_dtype is not None:
+        logits = logits.float()
+    return mask_padded_vocab(logits, layout)
+
+
+def _forward(model: torch.nn.Module, input_ids: torch.Tensor, cu_seqlens, device) -> torch.Tensor:
     if cu_seqlens is None:
         positions = torch.arange(input_ids.shape[1], device=device).expand_as(input_ids)
         logits = model(input_ids=input_ids, position_ids=positions, attention_mask=None)  # [B, T, V/tp]
@@ -251,7 +264,7 @@ def forward_logits(
             input_ids=input_ids, position_ids=positions, attention_mask=None, packed_seq_params=params
         )
         logits = logits[0]  # [T, V/tp]
-    return mask_padded_vocab(logits, layout)
+    return logits
 
 
 def vocab_start(layout: ModelLayout) -> int:

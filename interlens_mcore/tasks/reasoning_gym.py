@@ -9,7 +9,8 @@ Rows are drawn from a seed alone; a question is held out for evaluation by a has
 
 The answer is taken from the reply by `AnswerRule`: the text inside the last
 `<answer>...</answer>` (tag configurable), else the reply's last non-empty line
-(`fallback="last_line"`, or `"whole"` the whole reply, or `"none"` no answer). It is scored by
+(`fallback="last_line"`, or `"last_number"` the last number in the reply, as GSM8K-style
+graders read one, or `"whole"` the whole reply, or `"none"` no answer). It is scored by
 the dataset's `score_answer`, in [0, 1]; a verifier that raises scores 0 and the cause is kept.
 
 With `max_attempts > 1` the judge answers a wrong reply ("plain": that it is wrong;
@@ -34,7 +35,9 @@ from ..trajectory import Message
 from .base import TaskSource
 from .split import check_fraction, derive_seed, held_out
 
-AnswerFallback = Literal["last_line", "whole", "none"]
+AnswerFallback = Literal["last_line", "last_number", "whole", "none"]
+_FALLBACKS = ("last_line", "last_number", "whole", "none")
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 Feedback = Literal["plain", "detailed"]
 
 
@@ -46,10 +49,8 @@ class AnswerRule:
     fallback: AnswerFallback = "last_line"
 
     def __post_init__(self) -> None:
-        if self.fallback not in ("last_line", "whole", "none"):
-            raise ValueError(
-                f"AnswerRule.fallback must be 'last_line', 'whole' or 'none', got {self.fallback!r}"
-            )
+        if self.fallback not in _FALLBACKS:
+            raise ValueError(f"AnswerRule.fallback must be one of {', '.join(_FALLBACKS)}; got {self.fallback!r}")
         if self.tag is not None and not re.fullmatch(r"[A-Za-z_][\w-]*", self.tag):
             raise ValueError(f"AnswerRule.tag must be a tag name like 'answer', got {self.tag!r}")
 
@@ -70,6 +71,9 @@ class AnswerRule:
         if self.fallback == "last_line":
             lines = [line.strip() for line in text.splitlines() if line.strip()]
             return lines[-1] if lines else None
+        if self.fallback == "last_number":
+            numbers = _NUMBER.findall(text)
+            return numbers[-1].replace(",", "") if numbers else None
         return None
 
 
