@@ -90,7 +90,9 @@ def _default_system_template(tok):
         "<|im_start|>system\n" + DEFAULT_SYSTEM + "<|im_end|>\n{% endif %}"
     )
     templated = copy.deepcopy(tok)
-    templated.chat_template = tok.chat_template.replace("{% for m in messages %}", "{% for m in messages %}" + opening)
+    templated.chat_template = tok.chat_template.replace(
+        "{% for m in messages %}", "{% for m in messages %}" + opening
+    )
     assert templated.chat_template != tok.chat_template
     return templated
 

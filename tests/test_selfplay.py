@@ -33,11 +33,13 @@ def test_duel_referee_outcomes_and_rewards():
     conv, ref = _judge("4", "7")  # |4 - 5| = 1 beats |7 - 5| = 2
     assert conv.infos["outcome"] == {"player_a": 1.0, "player_b": 0.0}
     assert conv.messages[-1].content == "player_a wins" and conv.stop_reason == "judged"
-    # form: "4" is all digits (1.0); reward 0.5 * 1 + 0.5 * 1 = 1.0 for A, 0.5 * 1 + 0 = 0.5 for B
+    # form: "4" is a move in range (1.0); reward 0.5 * 1 + 0.5 * 1 = 1.0 for A, 0.5 * 1 + 0 = 0.5 for B
     assert ref.reward_for(conv, "player_a") == 1.0 and ref.reward_for(conv, "player_b") == 0.5
-    conv, ref = _judge("x6", "4")  # both at distance 1: a tie; A's form is 1/2
+    conv, ref = _judge("x6", "4")  # both at distance 1: a tie; A's "x6" still names 6
     assert conv.infos["outcome"] == {"player_a": 0.5, "player_b": 0.5}
-    assert ref.reward_for(conv, "player_a") == 0.5 * 0.5 + 0.5 * 0.5
+    assert ref.reward_for(conv, "player_a") == 0.5 * 1.0 + 0.5 * 0.5
+    conv, ref = _judge("12", "4")  # out of range: no move, no form; 12 loses to 4 at distance 1
+    assert ref.reward_for(conv, "player_a") == 0.5 * 0.0 + 0.5 * 0.0
     conv, ref = _judge("no", "9")  # a number beats no number, however far
     assert conv.infos["outcome"] == {"player_a": 0.0, "player_b": 1.0}
     conv, ref = _judge("no", "nope")  # nobody played: nobody scores the outcome
@@ -47,6 +49,39 @@ def test_duel_referee_outcomes_and_rewards():
     # game part: 0.5 x outcome + 0.5 x (1 - distance / 8); A: 0.5 + 0.5 x 7/8, B: 0 + 0.5 x 4/8
     assert ref.reward_for(conv, "player_a") == 0.5 * 1.0 + 0.5 * (0.5 + 0.5 * 7 / 8)
     assert ref.reward_for(conv, "player_b") == 0.5 * 1.0 + 0.5 * (0.5 * 4 / 8)
+
+
+def _duel_score(reply_for_target, seeds: int = 30) -> float:
+    """player_a's mean reward against the random player_b, over every target x `seeds` games."""
+    rewards = []
+    for target in range(1, 10):
+        task = DuelTask(target=target, random_seats=("player_b",))
+        for seed in range(seeds):
+            reply = reply_for_target(target)
+            lineup = task.lineup(lambda name, reply=reply: Scripted(name, [reply], role="assistant"))
+            conv = Conversation(lineup, prompt=task.prompt(), seed=seed)
+            conv.start()
+            for speaker in conv.lineup:
+                said = speaker.respond(conv)
+                conv.commit(speaker, Message(speaker=speaker.name, content=said, role=speaker.role))
+            rewards.append(lineup[-1].reward_for(conv, "player_a"))
+    return sum(rewards) / len(rewards)
+
+
+def test_duel_reward_pays_for_playing_not_for_digits():
+    """Naming the target outscores every fixed answer and every digit string."""
+    playing = _duel_score(str)
+    gaming = {
+        **{f"always {v}": (lambda _t, v=v: str(v)) for v in range(1, 10)},
+        "digit string": lambda _t: "123456789",
+        "repeated numbers": lambda _t: "5 5 5 5 5 5",
+        "digits and words": lambda _t: "5555 five 5555",
+        "no number": lambda _t: "closest",
+    }
+    scores = {name: _duel_score(strategy) for name, strategy in gaming.items()}
+    assert all(playing > score for score in scores.values()), scores
+    assert scores["repeated numbers"] == pytest.approx(scores["always 5"])  # its first number
+    assert scores["digit string"] == scores["no number"] == 0.0  # no move in range: nothing
 
 
 def test_task_validation_and_sources():

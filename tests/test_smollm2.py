@@ -65,6 +65,25 @@ def test_hf_engine_answers_a_chat_prompt(smollm2_path):
     assert len(out.logprobs) == len(out.token_ids)
 
 
+def test_a_multi_turn_conversation_renders_as_its_template(smollm2_path):
+    """The template adds a default system block before a first non-system message: once."""
+    from transformers import AutoTokenizer
+
+    from interlens_mcore.chat import ChatFormat
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    chat = ChatFormat(tokenizer)
+    messages = [
+        {"role": "user", "content": "Calculate 1 + 6."},
+        {"role": "assistant", "content": "8"},
+        {"role": "user", "content": "That is not right. Try again."},
+    ]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = chat.conversation_ids(messages) + chat.generation_prompt_ids()
+    assert ids == tokenizer.encode(rendered, add_special_tokens=False)
+    assert tokenizer.decode(ids).count("<|im_start|>system") == 1
+
+
 def _megatron_logit_diff(rank, world_size, path: str, seqs: list[list[int]]) -> dict[str, float]:
     from megatron.core import parallel_state
     from transformers import AutoModelForCausalLM

@@ -93,6 +93,12 @@ def test_bad_loss_or_optimizer_knob(run, tmp_path, flag):
     assert not out.exists()
 
 
+def test_bf16_on_the_deepspeed_backend(run, tmp_path):
+    out = tmp_path / "out"
+    res = run("--backend", "deepspeed", "--bf16", "true", "--output-dir", str(out))
+    _refused(res, out, "--bf16 is for the megatron backend")
+
+
 def test_output_dir_with_another_run(run, tmp_path):
     out = tmp_path / "out"
     out.mkdir()

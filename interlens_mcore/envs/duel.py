@@ -4,8 +4,9 @@ Seats `player_a` and `player_b` speak in that order, then the referee judges and
 game. B's view holds A's number (as a user turn) before B answers; A answers blind. Rewards
 per seat lie in [0, 1]:
 
-- form (weight `form_weight`): the fraction of the reply's non-space characters that are
-  digits, so a random tiny model has a gradient from its first step;
+- form (weight `form_weight`): 1 when the reply names a number in [low, high] (its first
+  integer), else 0, so a tiny model that has not learnt the game yet is paid for playing it;
+  digit strings or repeated numbers earn what their first number earns, never more;
 - game (the rest): `closeness_weight` x closeness (1 - |number - target| / (high - low)) plus
   the rest x outcome: 1 for the winner, 1/2 each on a tie, 0 for the loser. A reply without a
   number has closeness 0 and loses to one with a number; when neither holds a number nobody
@@ -40,10 +41,9 @@ from .guess import reply_number
 SEATS = ("player_a", "player_b")
 
 
-def _form(text: str) -> float:
-    """The fraction of a reply's non-space characters that are digits."""
-    chars = [c for c in text if not c.isspace()]
-    return sum(c.isdigit() for c in chars) / len(chars) if chars else 0.0
+def _plays(number: int | None, low: int, high: int) -> float:
+    """1.0 when a reply's number is a move of the game (in range), else 0.0."""
+    return float(number is not None and low <= number <= high)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,4 +145,4 @@ class DuelReferee(Environment):
         n = reply_number(reply)
         close = 0.0 if n is None else max(0.0, 1.0 - abs(n - t.target) / (t.high - t.low))
         game = (1.0 - t.closeness_weight) * outcome[participant] + t.closeness_weight * close
-        return t.form_weight * _form(reply) + (1.0 - t.form_weight) * game
+        return t.form_weight * _plays(n, t.low, t.high) + (1.0 - t.form_weight) * game

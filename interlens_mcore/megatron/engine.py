@@ -130,7 +130,9 @@ class MegatronEngine:
         cu[1:] = lengths.cumsum(0)
         ids = torch.tensor([[t for s in seqs for t in s]], dtype=torch.long)  # [1, T]
         t0 = time.perf_counter()
-        logits = forward_logits(self.model, self.layout, ids, cu, compute_dtype=self.compute_dtype)  # [T, V_local]
+        logits = forward_logits(
+            self.model, self.layout, ids, cu, compute_dtype=self.compute_dtype
+        )  # [T, V_local]
         if cache is not None:
             cache.advance(cu)
         self.stats.forward_s += time.perf_counter() - t0

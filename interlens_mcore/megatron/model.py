@@ -241,7 +241,9 @@ def forward_logits(
     """
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
-    with torch.autocast(device.type, dtype=compute_dtype or torch.bfloat16, enabled=compute_dtype is not None):
+    with torch.autocast(
+        device.type, dtype=compute_dtype or torch.bfloat16, enabled=compute_dtype is not None
+    ):
         logits = _forward(model, input_ids, cu_seqlens, device)
     if compute_dtype is not None:
         logits = logits.float()

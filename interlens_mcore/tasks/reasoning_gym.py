@@ -50,7 +50,9 @@ class AnswerRule:
 
     def __post_init__(self) -> None:
         if self.fallback not in _FALLBACKS:
-            raise ValueError(f"AnswerRule.fallback must be one of {', '.join(_FALLBACKS)}; got {self.fallback!r}")
+            raise ValueError(
+                f"AnswerRule.fallback must be one of {', '.join(_FALLBACKS)}; got {self.fallback!r}"
+            )
         if self.tag is not None and not re.fullmatch(r"[A-Za-z_][\w-]*", self.tag):
             raise ValueError(f"AnswerRule.tag must be a tag name like 'answer', got {self.tag!r}")
 
