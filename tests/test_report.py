@@ -92,3 +92,22 @@ def test_weights_combine_and_each_part_is_kept():
     assert totals == [0.5 + 0.5, 0.5 + 0.5] and parts == {"env": [0.5, 0.5], "twice": [2.0, 2.0]}
     with pytest.raises(RewardError, match="has no environment reward"):
         environment_reward([_traj(0, reward=None)], [None])
+
+
+def test_wilson_interval_and_the_summary_that_shows_it(tmp_path):
+    from trainers.record import wilson_interval
+    from trainers.report import summary
+
+    # textbook values: 50 of 100 -> [0.404, 0.596]; 0 of 10 -> [0, 0.278]; 10 of 10 -> [0.722, 1]
+    assert wilson_interval(0.5, 100) == pytest.approx((0.4038, 0.5962), abs=1e-4)
+    assert wilson_interval(0.0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
+    assert wilson_interval(1.0, 10) == pytest.approx((0.7225, 1.0), abs=1e-4)
+    assert wilson_interval(0.3, 0) == (0.0, 1.0)  # no trials, no knowledge
+    records = [
+        {"step": 0, "reward_mean": 0.1, "eval/success_rate": 0.2, "eval/success_n": 200}
+        | dict(zip(("eval/success_low", "eval/success_high"), wilson_interval(0.2, 200), strict=True)),
+        {"step": 1, "reward_mean": 0.2, "eval/success_rate": 0.5, "eval/success_n": 200}
+        | dict(zip(("eval/success_low", "eval/success_high"), wilson_interval(0.5, 200), strict=True)),
+    ]
+    line = summary(records, out=tmp_path, steps=1, wall_s=3.0)
+    assert "eval/success_rate: 0.200 [0.150, 0.261] of 200 -> 0.500 [0.431, 0.569] of 200" in line

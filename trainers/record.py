@@ -96,7 +96,24 @@ def evaluation_figures(rollout: Rollout) -> dict[str, float]:
     for part in parallel.all_gather_object(mine):
         for key, values in part.items():
             merged.setdefault(key, []).extend(values)
-    return {f"eval/{k}": _mean(v) for k, v in sorted(merged.items())}
+    figures = {f"eval/{k}": _mean(v) for k, v in sorted(merged.items())}
+    if merged.get("success_rate"):
+        n = len(merged["success_rate"])
+        low, high = wilson_interval(figures["eval/success_rate"], n)
+        figures.update({"eval/success_n": n, "eval/success_low": low, "eval/success_high": high})
+    return figures
+
+
+def wilson_interval(rate: float, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """The Wilson score interval (95 % by default) of a success rate measured on `n` trials.
+
+    Binomial: a draw that counts as half a success (a tie) is treated as its mean.
+    """
+    if n <= 0:
+        return (0.0, 1.0)
+    centre = (rate + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * math.sqrt(rate * (1 - rate) / n + z * z / (4 * n * n))
+    return (max(0.0, centre - half), min(1.0, centre + half))
 
 
 def json_ready(record: dict) -> dict:

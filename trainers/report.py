@@ -154,11 +154,20 @@ def summary(records: list[dict], *, out: Path, steps: int, wall_s: float) -> str
     if train:
         k = max(1, len(train) // 10)
         parts.append(f"reward_mean first/last 10 %: {_mean(train[:k]):.3f} -> {_mean(train[-k:]):.3f}")
-    evals = [r["eval/success_rate"] for r in records if r.get("eval/success_rate") is not None]
+    evals = [r for r in records if r.get("eval/success_rate") is not None]
     if evals:
-        parts.append(f"eval/success_rate: {evals[0]:.3f} -> {evals[-1]:.3f}")
+        first, last = (_with_interval(r) for r in (evals[0], evals[-1]))
+        parts.append(f"eval/success_rate: {first} -> {last}")
     parts.append(f"outputs in {out}")
     return "; ".join(parts)
+
+
+def _with_interval(record: dict) -> str:
+    text = f"{record['eval/success_rate']:.3f}"
+    if record.get("eval/success_low") is not None:
+        low, high, n = record["eval/success_low"], record["eval/success_high"], record["eval/success_n"]
+        text += f" [{low:.3f}, {high:.3f}] of {n}"
+    return text
 
 
 def _mean(values: list[float]) -> float:
