@@ -33,7 +33,19 @@ def plot_run(records: list[dict], out: Path) -> None:
         )
     for key in rates:
         style = "-" if key == "success_rate" else "o--"
-        ax.plot(*_series(records, key), style, label=key)
+        steps, values = _series(records, key)
+        bounds = [
+            (r.get("eval/success_low"), r.get("eval/success_high")) for r in records if r.get(key) is not None
+        ]
+        if key == "eval/success_rate" and all(lo is not None and hi is not None for lo, hi in bounds):
+            # the 95 % Wilson interval of each held-out measurement
+            spread = [
+                [v - lo for v, (lo, _) in zip(values, bounds)],
+                [hi - v for v, (_, hi) in zip(values, bounds)],
+            ]
+            ax.errorbar(steps, values, yerr=spread, fmt=style, capsize=3, label=key + " (95 % CI)")
+        else:
+            ax.plot(steps, values, style, label=key)
     ax.set_xlabel("step")
     ax.set_ylabel("reward / rate")
     ax.legend(loc="lower right", fontsize=7)
