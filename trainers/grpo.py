@@ -259,8 +259,11 @@ class GRPOTrainer:
 
     def evaluation(self) -> dict[str, float]:
         """The task's held-out rows with the current weights (collective): `eval/...` figures."""
-        seed = mix_seed(self.rollout_config.seed, _EVAL_SEED, self.groups.rank)  # the same rows every time
-        rows = self.tasks.eval_rows(self.config.eval_size, seed=seed)
+        # one draw for the whole world, the same every time; rank r plays rows r, r + world, ...
+        # so the ranks hold distinct rows (and each its share of every seat's block)
+        world = parallel.world_size()
+        seed = mix_seed(self.rollout_config.seed, _EVAL_SEED)
+        rows = self.tasks.eval_rows(self.config.eval_size * world, seed=seed)[self.groups.rank :: world]
         if not parallel.all_gather_object(bool(rows))[0]:
             return {}
         rollout = self.tasks.evaluate(self.rollouter, rows, self.step)

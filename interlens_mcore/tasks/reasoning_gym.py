@@ -250,12 +250,17 @@ class ReasoningGymSource(TaskSource):
         bound = 50 * n + 200  # a held-out fraction of 0.1 needs about 10 draws per evaluation row
         ds = self._dataset(derive_seed(seed, "eval" if evaluation else "train"), bound)
         out: list[ReasoningTask] = []
+        seen: set[str] = set()  # held-out questions are distinct: n of them are n problems
         for i in range(bound):
             if len(out) == n:
                 break
             entry = ds[i]
-            if held_out(entry["question"], self.eval_fraction) == evaluation:
-                out.append(ReasoningTask(entry=entry, score=ds.score_answer, options=self.options))
+            if held_out(entry["question"], self.eval_fraction) != evaluation:
+                continue
+            if evaluation and entry["question"] in seen:
+                continue
+            seen.add(entry["question"])
+            out.append(ReasoningTask(entry=entry, score=ds.score_answer, options=self.options))
         if len(out) < n:
             side = "held-out" if evaluation else "training"
             raise ValueError(
