@@ -70,6 +70,18 @@ def test_rows_are_seeded_and_disjoint_from_evaluation():
     assert src.describe()["datasets"] == ["basic_arithmetic"]
 
 
+def test_held_out_questions_are_distinct():
+    # one-digit sums and differences (a few phrasings each): some hundreds of questions, 10 %
+    # held out; a draw of held-out rows never repeats one, and more than there are is an error
+    narrow = rg.source("basic_arithmetic", min_terms=2, max_terms=2, min_digits=1, max_digits=1)
+    held = [r.entry["question"] for r in narrow.eval_rows(8, seed=0)]
+    assert len(set(held)) == 8
+    with pytest.raises(ValueError, match="found \\d+ of 1000 held-out questions"):
+        narrow.eval_rows(1000, seed=0)
+    wide = rg.source("basic_arithmetic", min_terms=2, max_terms=2, min_digits=1, max_digits=2)
+    assert len({r.entry["question"] for r in wide.eval_rows(200, seed=0)}) == 200
+
+
 def test_mixes_configs_and_errors():
     src = rg.source("chain_sum+basic_arithmetic", weights="1,3")
     kinds = [r.entry["metadata"]["source_dataset"] for r in src.rows(80, seed=0)]
