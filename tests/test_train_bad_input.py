@@ -167,7 +167,7 @@ def test_help_lists_every_option_with_its_default():
         "--task TASK",
         "{megatron,deepspeed}",
         "--report_to REPORT_TO",
-        "(default: 300)",
+        "(default: 600)",
     ):
         assert needle in text, needle
 

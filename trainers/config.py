@@ -18,7 +18,7 @@ class TrainerConfig:
     """The outer loop, the optimizer, checkpoints, evaluation and logging."""
 
     steps: int = field(
-        default=300, metadata={"help": "optimizer steps of the run (a resumed run may raise it)"}
+        default=600, metadata={"help": "optimizer steps of the run (a resumed run may raise it)"}
     )
     batch_size: int = field(
         default=64, metadata={"help": "samples per rank per step: a multiple of --num-generations"}
@@ -34,11 +34,11 @@ class TrainerConfig:
     )
     save_total_limit: int = field(default=2, metadata={"help": "checkpoints kept (the newest ones)"})
     eval_every: int = field(
-        default=50,
+        default=100,
         metadata={"help": "steps between evaluations on held-out rows (0: never); also at the end"},
     )
     eval_size: int = field(
-        default=64, metadata={"help": "held-out rows per rank (per seat in multi-seat games)"}
+        default=128, metadata={"help": "held-out rows per rank (per seat in multi-seat games)"}
     )
     output_dir: str | None = field(
         default=None, metadata={"help": "run folder (default: a new runs/<task>-<timestamp>)"}
