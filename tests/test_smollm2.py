@@ -128,6 +128,21 @@ def test_megatron_logits_equal_transformers_at_tp1(smollm2_path):
     assert diff["argmax_equal"], diff
 
 
+def test_one_deepspeed_training_step(smollm2_path, tmp_path):
+    """The HF / DeepSpeed backend trains SmolLM2 under torchrun (ZeRO-1, 2 ranks, one step)."""
+    from train_utils import metrics, torchrun
+
+    out = tmp_path / "run"
+    args = ["--model", str(smollm2_path), "--backend", "deepspeed", "--zero-stage", "1", "--steps", "1"]
+    args += ["--task", "reasoning_gym:basic_arithmetic", "--batch-size", "4", "--num-generations", "2"]
+    args += ["--max-new-tokens", "8", "--eval-every", "0", "--output-dir", str(out)]
+    res = torchrun(*args, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    (row,) = metrics(out)
+    assert row["tokens"] > 0 and row["is_sample_fraction"] == 1.0
+    assert row["is_weight_mean"] == pytest.approx(1.0, abs=0.05)  # the engine and the trainer agree
+
+
 def test_tp2_is_refused_with_the_head_counts(smollm2_path):
     from transformers import AutoConfig
 

@@ -1,0 +1,50 @@
+"""SmolLM2-135M-Instruct generates through vLLM as through HFEngine (same greedy answer).
+
+The model folder is the one the main test stage builds (`tests/test_smollm2.py`, in the shared
+$INTERLENS_ASSETS); this environment has no `gguf` to build it itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip(
+    "vllm", reason="vLLM is not installed here; its tests run in the environment .ci/vllm_stage.sh builds"
+)
+
+from interlens_mcore import GenerationRequest  # noqa: E402
+from interlens_mcore.assets_smollm2 import AssetUnavailable, ensure_smollm2  # noqa: E402
+from interlens_mcore.vllm_engine import VLLMConfig, VLLMEngine  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def smollm2_path():
+    try:
+        return ensure_smollm2()
+    except AssetUnavailable as exc:  # run the main stage first: it builds the folder
+        pytest.skip(f"the SmolLM2 folder is built by the main test stage (tests/test_smollm2.py): {exc}")
+
+
+def test_vllm_answers_as_the_hf_engine(smollm2_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from interlens_mcore import HFEngine
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+    prompt = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    request = GenerationRequest(
+        prompt_ids=prompt, max_new_tokens=16, temperature=0.0, stop_token_ids=(tokenizer.eos_token_id,)
+    )
+    config = VLLMConfig(colocated=False, dtype="float32", max_model_len=256, enable_prefix_caching=False)
+    (out,) = VLLMEngine.create(str(smollm2_path), config).generate([request])
+    assert "Paris" in tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    assert len(out.logprobs) == len(out.token_ids)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32)
+    (hf,) = HFEngine(model, tokenizer).generate([request])
+    # greedy in float32 on both sides: the same ids (their logprobs agree within rounding)
+    assert out.token_ids == hf.token_ids
+    assert max(abs(a - b) for a, b in zip(out.logprobs, hf.logprobs, strict=True)) < 1e-3
