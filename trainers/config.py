@@ -112,8 +112,8 @@ class BackendConfig:
         default=False,
         metadata={
             "help": "megatron backend: forwards (training and the native engine) under bfloat16 "
-            "autocast, float32 weights and optimizer; on a CPU with AVX512-BF16 or AMX matmuls run "
-            "about 4x faster"
+            "autocast, float32 weights and optimizer; on a CPU with AVX512-BF16 or AMX its matmuls "
+            "run several times faster"
         },
     )
     vllm_gpu_memory_utilization: float = field(
