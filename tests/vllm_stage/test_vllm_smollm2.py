@@ -1,7 +1,7 @@
 """SmolLM2-135M-Instruct generates through vLLM as through HFEngine (same greedy answer).
 
-The model folder is the one the main test stage builds (`tests/test_smollm2.py`, in the shared
-$INTERLENS_ASSETS); this environment has no `gguf` to build it itself.
+The model folder is built on first use (`ensure_smollm2`, cached in $INTERLENS_ASSETS; the main
+test stage usually has built it already).
 """
 
 from __future__ import annotations
@@ -13,16 +13,7 @@ pytest.importorskip(
 )
 
 from interlens_mcore import GenerationRequest  # noqa: E402
-from interlens_mcore.assets_smollm2 import AssetUnavailable, ensure_smollm2  # noqa: E402
 from interlens_mcore.vllm_engine import VLLMConfig, VLLMEngine  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def smollm2_path():
-    try:
-        return ensure_smollm2()
-    except AssetUnavailable as exc:  # run the main stage first: it builds the folder
-        pytest.skip(f"the SmolLM2 folder is built by the main test stage (tests/test_smollm2.py): {exc}")
 
 
 def test_vllm_answers_as_the_hf_engine(smollm2_path):
