@@ -27,6 +27,7 @@ class ChatFormat:
     tokenizer: Any  # a transformers tokenizer with a chat template
     _cache: dict[str, list[int]] = field(default_factory=dict, repr=False)
     _frames: dict[str, tuple[str, str] | None] = field(default_factory=dict, repr=False)
+    _anchors: dict[str, str | None] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if not getattr(self.tokenizer, "chat_template", None):
@@ -53,11 +54,19 @@ class ChatFormat:
         conversation with `message` after it; a template that refuses the anchor (or renders
         the conversation so that it does not extend) gets the message rendered alone.
         """
-        for anchor in ({"role": "system", "content": _ANCHOR}, {"role": "user", "content": _ANCHOR}):
+        for role in ("system", "user"):
+            anchor = {"role": role, "content": _ANCHOR}
+            if role not in self._anchors:  # rendered once: the slow path renders every message
+                try:
+                    self._anchors[role] = self._render([anchor], False)
+                except Exception:  # e.g. a template that raises on a system message
+                    self._anchors[role] = None
+            before = self._anchors[role]
+            if before is None:
+                continue
             try:
-                before = self._render([anchor], False)
                 after = self._render([anchor, message], False)
-            except Exception:  # e.g. a template that raises on a system message
+            except Exception:
                 continue
             if after.startswith(before):
                 return after[len(before) :]
