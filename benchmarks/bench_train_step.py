@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     opts = parse([*flags, "--output-dir", out_dir], "bench")
     source = check(opts)
     torch.set_num_threads(1)  # ranks share the cores, as in launch/train_grpo.py
-    parallel.init_distributed()
+    parallel.init_distributed(timeout_s=opts.trainer.collective_timeout_s)
     try:
         trainer = build_trainer(opts, source)
         steps, walls = instrument(trainer)

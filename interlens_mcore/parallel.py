@@ -6,8 +6,11 @@ group has one rank or torch.distributed is not initialised.
 
 from __future__ import annotations
 
+import math
 import pickle
+import threading
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -32,6 +35,98 @@ def rank(group: Any = None) -> int:
     return dist.get_rank(group) if is_initialized() else 0
 
 
+# --- stages and local phases ------------------------------------------------------------------
+#
+# The rule that keeps every rank in the same collective (docs/parallelism.md, "Failing
+# together"): user code (task sources, environments, tools, schedulers, reward functions) runs
+# only inside a *local phase*, and a local phase ends at the world check (`check_world`), which
+# every rank reaches whatever that code did. Collectives over the world or the DP group come
+# after the check, never inside the phase: a rank whose code raised is already waiting in the
+# check, and a peer entering any other collective would wait for it until the timeout.
+# Inside a local phase the only collectives allowed are the rollout's own, over the groups the
+# phase names: each of them follows the rollout's vote, which carries every rank's error. Any
+# other collective there raises `CollectiveInLocalPhase` at once on the rank that attempts it
+# (bookkeeping in this process, no communication), so the mistake fails named the first time it
+# runs instead of hanging the first time some user code raises.
+
+
+class CollectiveInLocalPhase(RuntimeError):
+    """A collective over a group that a local phase does not allow (a bug in the caller)."""
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed (its timeout expired, or a peer left): names it, its ranks and the stage."""
+
+
+@dataclass(frozen=True)
+class _Stage:
+    name: str
+    allow: tuple[Any, ...] | None  # a local phase's allowed groups; None for a plain stage
+
+
+class _Stages(threading.local):
+    def __init__(self) -> None:  # runs once in each thread that uses it
+        self.stack: list[_Stage] = []
+
+
+_stages = _Stages()
+
+
+def _stack() -> list[_Stage]:
+    return _stages.stack
+
+
+def current_stage() -> str | None:
+    """What this rank is doing, as the nested stage names ("step 3 / rollout"), or None."""
+    names = [s.name for s in _stack()]
+    return " / ".join(names) if names else None
+
+
+@contextmanager
+def stage(name: str, *, allow: tuple[Any, ...] | None = None) -> Iterator[None]:
+    """Name what this rank is doing: collectives that fail inside say so, and so does an
+    exception leaving it (as a note, once, with the innermost stage).
+
+    `allow` makes it a local phase (see above): collectives inside are refused unless their
+    group is one of `allow` (the rollout's own groups; `()` allows none).
+    """
+    stack = _stack()
+    stack.append(_Stage(name, allow))
+    try:
+        yield
+    except BaseException as exc:
+        notes = getattr(exc, "__notes__", [])  # an exception carries no notes until one is added
+        if not any(n.startswith("during stage ") for n in notes):
+            exc.add_note(f"during stage {current_stage()!r}")
+        raise
+    finally:
+        stack.pop()
+
+
+def local_phase(name: str, allow: tuple[Any, ...] = ()) -> Any:
+    """`stage(name, allow=allow)`: a block of user code that ends at a world check."""
+    return stage(name, allow=tuple(g for g in allow if g is not None))
+
+
+@contextmanager
+def _collective(name: str, group: Any) -> Iterator[None]:
+    phases = [s for s in _stack() if s.allow is not None]
+    if phases and not any(group is g for g in phases[-1].allow):
+        raise CollectiveInLocalPhase(
+            f"{name} over ranks {_group_ranks(group)} inside the local phase {current_stage()!r}: "
+            "only the rollout's own collectives may run before the world check; move it after "
+            "the check (parallel.check_world)"
+        )
+    try:
+        yield
+    except RuntimeError as exc:  # gloo's DistBackendError (a timeout, a closed connection) and kin
+        if isinstance(exc, (CollectiveError, CollectiveInLocalPhase)):
+            raise
+        where = current_stage() or "no named stage"
+        ranks = _group_ranks(group)
+        raise CollectiveError(f"{name} over ranks {ranks} failed during {where!r}: {_describe(exc)}") from exc
+
+
 def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Any = None) -> torch.Tensor:
     """In-place all-reduce without autograd ('sum' or 'max'); returns `tensor`."""
     if world_size(group) == 1:
@@ -39,7 +134,8 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Any = None) -> torc
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
     if op not in ops:
         raise ValueError(f"all_reduce op must be one of {sorted(ops)}, got {op!r}")
-    dist.all_reduce(tensor, op=ops[op], group=group)
+    with _collective("all_reduce", group):
+        dist.all_reduce(tensor, op=ops[op], group=group)
     return tensor
 
 
@@ -48,7 +144,8 @@ def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
     if world_size(group) == 1:
         return [obj]
     out: list[Any] = [None] * world_size(group)
-    dist.all_gather_object(out, obj, group=group)
+    with _collective("all_gather_object", group):
+        dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -75,7 +172,8 @@ def all_reduce_replicated(tensor: torch.Tensor, group: Any = None) -> torch.Tens
     """
     if world_size(group) == 1:
         return tensor
-    return _SumForwardCopyBackward.apply(tensor, group)
+    with _collective("all_reduce_replicated", group):
+        return _SumForwardCopyBackward.apply(tensor, group)
 
 
 def all_gather_tensor(tensor: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
@@ -83,13 +181,15 @@ def all_gather_tensor(tensor: torch.Tensor, group: Any = None) -> list[torch.Ten
     if world_size(group) == 1:
         return [tensor]
     out = [torch.empty_like(tensor) for _ in range(world_size(group))]
-    dist.all_gather(out, tensor.contiguous(), group=group)
+    with _collective("all_gather_tensor", group):
+        dist.all_gather(out, tensor.contiguous(), group=group)
     return out
 
 
 def barrier(group: Any = None) -> None:
     if world_size(group) > 1:
-        dist.barrier(group=group)
+        with _collective("barrier", group):
+            dist.barrier(group=group)
 
 
 def barrier_or_gone(group: Any = None) -> None:
@@ -135,6 +235,11 @@ class ParallelGroups:
     def rollout_rank(self) -> int:
         return self.rollout_ranks.index(self.rank)
 
+    @property
+    def rollout_collectives(self) -> tuple[Any, ...]:
+        """The groups a rollout's own collectives use (each after the vote): a local phase's `allow`."""
+        return (self.rollout, self.vote, self.tp)
+
     def gather_fn(self):
         """The termination vote's gather_fn (accelerate gather_object convention)."""
         if len(self.rollout_ranks) == 1:
@@ -166,7 +271,8 @@ def all_gather_small(obj: Any, group: Any = None) -> list[Any]:
     if fits:
         buf[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     out = torch.empty(world_size(group) * _SMALL, dtype=torch.uint8)
-    dist.all_gather_into_tensor(out, buf, group=group)
+    with _collective("all_gather_small", group):
+        dist.all_gather_into_tensor(out, buf, group=group)
     chunks = out.view(-1, _SMALL)
     sizes = [int.from_bytes(bytes(c[:8].tolist()), "little", signed=True) for c in chunks]
     if min(sizes) < 0:  # somebody's object is large: everyone takes the general path
@@ -304,14 +410,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_megatron(tensor_parallel_size: int) -> None:
-    """megatron-core's parallel_state for TP x DP over the world (TP must divide it)."""
+def init_megatron(tensor_parallel_size: int, *, timeout_s: float = 1800.0) -> None:
+    """megatron-core's parallel_state for TP x DP over the world (TP must divide it); its groups
+    time out after `timeout_s` (megatron counts whole minutes: rounded up)."""
     from megatron.core import parallel_state as ps
 
     if world_size() % tensor_parallel_size:
         raise ValueError(f"TP size {tensor_parallel_size} does not divide the world size {world_size()}")
     if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size)
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tensor_parallel_size,
+            distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
+        )
 
 
 def destroy() -> None:

@@ -246,7 +246,7 @@ class Rollouter:
             max_batch_size=self.config.max_batch_size,
             group_seed=group_seed,
             gather_fn=self.groups.gather_fn(),
-            rank=self.groups.rollout_rank,
+            rank=self.groups.rank,  # the global rank: what a failure's message names
             engines=self.engines(),
             step_timeout_s=self.config.step_timeout_s,
         )
@@ -282,7 +282,7 @@ class Rollouter:
             rollout_fn,
             self.sampling,
             gather_fn=self.groups.gather_fn(),
-            rank=self.groups.rollout_rank,
+            rank=self.groups.rank,
             step_timeout_s=cfg.step_timeout_s,
         )
         trajectories = []

@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    parallel.init_distributed()
+    parallel.init_distributed(timeout_s=args.trainer.collective_timeout_s)
     try:
         trainer = build_trainer(args, source)
         if folder is not None:

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)  # ranks share the cores; one intra-op thread each
-    parallel.init_distributed()
+    parallel.init_distributed(timeout_s=args.trainer.collective_timeout_s)
     try:
         trainer = build_trainer(args, source)
         if parallel.rank() == 0:

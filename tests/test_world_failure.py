@@ -107,3 +107,72 @@ def test_a_killed_peer_becomes_a_world_failure_within_seconds():
     assert procs[1].exitcode == -signal.SIGKILL
     assert message.startswith("a rank left the world before reporting (")
     assert waited < 10.0, waited  # gloo sees the closed connection; measured about 0.5 s (the sleep)
+
+
+def _phase_job(rank, world_size):
+    """Inside a local phase a world collective raises at once, on the rank that attempts it."""
+    from interlens_mcore import parallel
+
+    out = {}
+    try:
+        with parallel.stage("step 3"), parallel.local_phase("evaluation"):
+            if rank == 1:  # only rank 1 tries: it must raise without waiting for rank 0
+                parallel.all_gather_object("figures")
+    except parallel.CollectiveInLocalPhase as exc:
+        out["refused"] = str(exc)
+        out["notes"] = list(exc.__notes__)
+    allowed = parallel.world_check_group(timeout_s=30)  # collective: both ranks, after the phase
+    with parallel.local_phase("rollout", allow=(allowed,)):
+        out["allowed"] = parallel.all_gather_object(rank, group=allowed)  # the rollout's own group
+    return out
+
+
+def test_a_world_collective_inside_a_local_phase_is_refused_at_once():
+    results = run_ranks(_phase_job, 2, timeout=60)
+    assert "refused" not in results[0]
+    message = results[1]["refused"]
+    assert message.startswith(
+        "all_gather_object over ranks (0, 1) inside the local phase 'step 3 / evaluation'"
+    )
+    assert "move it after the check" in message
+    assert results[1]["notes"] == ["during stage 'step 3 / evaluation'"]
+    assert [r["allowed"] for r in results] == [[0, 1], [0, 1]]
+
+
+def _timeout_job(rank, world_size):
+    """Rank 0 waits in a gather rank 1 never joins: a named CollectiveError after the group's timeout."""
+    from interlens_mcore import parallel
+
+    group = parallel.world_check_group(timeout_s=2)
+    if rank == 1:
+        time.sleep(6)  # past rank 0's timeout, then leave without joining
+        return None
+    start = time.monotonic()
+    try:
+        with parallel.stage("step 3"), parallel.stage("evaluation figures"):
+            parallel.all_gather_object({"reward": [1.0]}, group=group)
+    except parallel.CollectiveError as exc:
+        return {"message": str(exc), "waited": time.monotonic() - start, "notes": list(exc.__notes__)}
+    return {"message": "returned"}
+
+
+def test_a_collective_left_waiting_fails_after_its_timeout_naming_it_and_the_stage():
+    results = run_ranks(_timeout_job, 2, timeout=90)
+    got = results[0]
+    assert got["message"].startswith(
+        "all_gather_object over ranks (0, 1) failed during 'step 3 / evaluation figures': "
+    ), got
+    assert got["waited"] < 6.0, got  # the 2 s timeout, not rank 1 coming back (measured about 2 s)
+    assert got["notes"] == ["during stage 'step 3 / evaluation figures'"]
+
+
+def test_stages_nest_and_unwind():
+    from interlens_mcore import parallel
+
+    assert parallel.current_stage() is None
+    with parallel.stage("step 0"):
+        with parallel.local_phase("rollout"):
+            assert parallel.current_stage() == "step 0 / rollout"
+            parallel.all_gather_object("alone")  # a one-rank world: nothing to refuse, nothing sent
+        assert parallel.current_stage() == "step 0"
+    assert parallel.current_stage() is None

@@ -144,8 +144,8 @@ def build_backend(
     if cfg.backend == "megatron":
         from .megatron_backend import MegatronBackend
 
-        parallel.init_megatron(cfg.tp)
-        groups = parallel.build_groups(rollout="model_parallel")
+        parallel.init_megatron(cfg.tp, timeout_s=trainer.collective_timeout_s)
+        groups = parallel.build_groups(rollout="model_parallel", vote_timeout_s=trainer.collective_timeout_s)
         backend = MegatronBackend(
             model_path=model_path,
             groups=groups,
@@ -164,7 +164,9 @@ def build_backend(
     # ZeRO-3 gathers parameters in every forward: HFEngine's generation is collective over the DP
     # group. vLLM (TP=1 on each rank) holds whole weights of its own and generates alone
     lockstep = cfg.zero_stage == 3 and cfg.engine == "native"
-    groups = parallel.build_groups(rollout="data_parallel" if lockstep else "model_parallel")
+    groups = parallel.build_groups(
+        rollout="data_parallel" if lockstep else "model_parallel", vote_timeout_s=trainer.collective_timeout_s
+    )
     micro = math.ceil(trajectories_per_rank / micro_batch_size) if micro_batch_size else 1
     ds = deepspeed_config(
         zero_stage=cfg.zero_stage,

@@ -51,6 +51,14 @@ class TrainerConfig:
         default=10, metadata={"help": "steps between sample completions in completions.jsonl (0: never)"}
     )
     log_completions: int = field(default=4, metadata={"help": "trajectories written each time"})
+    collective_timeout_s: float = field(
+        default=600.0,
+        metadata={
+            "help": "seconds a rank waits in a collective (process groups, the rollout vote, the "
+            "world check) before failing with the collective and the stage named; must exceed the "
+            "longest wait of one rank for another (a rollout or evaluation one rank finishes first)"
+        },
+    )
 
     def __post_init__(self) -> None:
         for name in (
@@ -70,6 +78,11 @@ class TrainerConfig:
             raise ValueError(f"TrainerConfig.lr must be > 0, got {self.lr}")
         if not self.grad_clip > 0:
             raise ValueError(f"TrainerConfig.grad_clip must be > 0, got {self.grad_clip}")
+        if not 0 < self.collective_timeout_s < float("inf"):
+            raise ValueError(
+                f"TrainerConfig.collective_timeout_s must be a finite number of seconds > 0, "
+                f"got {self.collective_timeout_s}"
+            )
         unknown = [r for r in self.reporters if r not in REPORTERS]
         if unknown or not self.reporters:
             raise ValueError(

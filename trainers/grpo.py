@@ -81,7 +81,7 @@ class GRPOTrainer:
         reward_weights: Sequence[float] | None = None,
         loss_fn: Callable = batch_loss,
         run_info: dict | None = None,
-        world_check_timeout_s: float = 1800.0,
+        world_check_timeout_s: float | None = None,
     ):
         self.config = config = config or TrainerConfig()
         self.rollout_config = rollout_config or RolloutConfig()
@@ -120,8 +120,10 @@ class GRPOTrainer:
         )
         self.run_info = {**described, **(run_info or {}), "output_dir": str(self.output_dir)}
         self.step, self.skipped_steps, self.resumed = 0, 0, False
-        # a failure on any rank reaches every rank of the world as its named cause, at once
-        self.world_check = parallel.world_check_group(timeout_s=world_check_timeout_s)
+        # a failure on any rank reaches every rank of the world as its named cause, at once; the
+        # check waits as long as any collective may (a rank that failed early waits there)
+        timeout = world_check_timeout_s if world_check_timeout_s is not None else config.collective_timeout_s
+        self.world_check = parallel.world_check_group(timeout_s=timeout)
 
     def check_micro_batches(self) -> None:
         expected = self.backend.micro_batches
@@ -152,20 +154,11 @@ class GRPOTrainer:
         records = []
         try:
             while self.step < cfg.steps:
-                due = cfg.eval_every and self.step % cfg.eval_every == 0
-                evaluated = self.together(self.evaluation) if due else {}
-                rec, rollout = self.train_step()
-                rec = record.json_ready({**rec, **evaluated})
-                report.log(rec)
-                if cfg.log_completions_every and self.step % cfg.log_completions_every == 0:
-                    report.completions(self.step, self.completions(rollout))
-                records.append(rec)
-                self.step += 1
-                if self.step % cfg.save_every == 0 or self.step == cfg.steps:
-                    state.save_checkpoint(self)
-                    report.plot()
+                with parallel.stage(f"step {self.step}"):
+                    records.append(self.step_and_log(report))
             if cfg.eval_every:  # the weights the run ends with
-                report.log({"step": self.step, **self.together(self.evaluation)})
+                with parallel.stage(f"step {self.step}"):
+                    report.log({"step": self.step, **self.evaluation()})
         except BaseException:
             report.close(steps=self.step, failed=True)  # quickly: the caller names the cause
             raise
@@ -176,11 +169,33 @@ class GRPOTrainer:
                 lock.close()
         return records
 
+    def step_and_log(self, report: Reporter) -> dict:
+        """One step of the loop: evaluation when due, the step, its record, a checkpoint when due."""
+        cfg = self.config
+        evaluated = self.evaluation() if cfg.eval_every and self.step % cfg.eval_every == 0 else {}
+        rec, rollout = self.train_step()
+        rec = record.json_ready({**rec, **evaluated})
+        report.log(rec)
+        if cfg.log_completions_every and self.step % cfg.log_completions_every == 0:
+            report.completions(self.step, self.together("completions", self.completions, rollout))
+        self.step += 1
+        if self.step % cfg.save_every == 0 or self.step == cfg.steps:
+            with parallel.stage("checkpoint"):
+                state.save_checkpoint(self)
+            report.plot()
+        return rec
+
     def train_step(self) -> tuple[dict, Rollout]:
         """One rollout and its `updates_per_rollout` optimizer steps; returns (record, rollout)."""
-        rcfg = self.rollout_config
         t0 = time.perf_counter()
-        rollout, components = self.together(self.scored_rollout, self.step)
+        rollout, components = self.together("rollout", self.scored_rollout, self.step)
+        with parallel.stage("update"):
+            rec = self.update_and_record(rollout, components, t0)
+        return rec, rollout
+
+    def update_and_record(self, rollout: Rollout, components: dict[str, list[float]], t0: float) -> dict:
+        """The collective part of a step, after its world check: the update and the step's figures."""
+        rcfg = self.rollout_config
         shared = self.share_over_tp(rollout)
         t1 = time.perf_counter()
         batches = micro_batches(
@@ -204,17 +219,22 @@ class GRPOTrainer:
             "train_s": round(t2 - t1, 3),
             "weight_sync_s": round(sync_s, 4),
         }
-        return rec, rollout
+        return rec
 
-    def together(self, fn: Callable, *args: Any) -> Any:
-        """`fn(*args)`, then the world agrees that no rank failed (`parallel.check_world`).
+    def together(self, stage: str, fn: Callable, *args: Any) -> Any:
+        """`fn(*args)` as a local phase named `stage`, then the world agrees that no rank failed.
 
-        A rank whose rollout raised (its environment, its reward function) would otherwise leave
-        ranks that vote alone (TP=1 x DP=2) to fail later with a transport error naming nothing.
+        The rule (parallel.py, "stages and local phases"): every piece of user code (task
+        sources, environments, tools, schedulers, rewards, `success_of`) runs inside a block
+        like this one, whose only collectives are the rollout's own (each after the rollout's
+        vote); world and DP collectives come after the block's `parallel.check_world`, which
+        every rank reaches whatever its code did. A rank whose code raised then never leaves a
+        peer waiting in another collective: the check names the failure on every rank.
         """
         error, out = None, None
         try:
-            out = fn(*args)
+            with parallel.local_phase(stage, self.groups.rollout_collectives):
+                out = fn(*args)
         except Exception as exc:  # reported to every rank, re-raised below as WorldFailure
             error = exc
         parallel.check_world(error, self.world_check)
@@ -258,18 +278,32 @@ class GRPOTrainer:
         )
 
     def evaluation(self) -> dict[str, float]:
-        """The task's held-out rows with the current weights (collective): `eval/...` figures."""
+        """The task's held-out rows with the current weights (collective): `eval/...` figures.
+
+        Two local phases (drawing the rows; playing and scoring them), each ended by the world
+        check; the gathers that decide and merge come after those checks.
+        """
+        rows = self.together("evaluation rows", self.eval_rows)
+        if not any(parallel.all_gather_object(bool(rows))):
+            return {}
+        rollout = self.together("evaluation", self.scored_evaluation, rows)
+        with parallel.stage("evaluation figures"):
+            return record.evaluation_figures(rollout)
+
+    def eval_rows(self) -> list[Any]:
+        """This rank's held-out rows (local)."""
         # one draw for the whole world, the same every time; rank r plays rows r, r + world, ...
         # so the ranks hold distinct rows (and each its share of every seat's block)
         world = parallel.world_size()
         seed = mix_seed(self.rollout_config.seed, _EVAL_SEED)
-        rows = self.tasks.eval_rows(self.config.eval_size * world, seed=seed)[self.groups.rank :: world]
-        if not parallel.all_gather_object(bool(rows))[0]:
-            return {}
+        return self.tasks.eval_rows(self.config.eval_size * world, seed=seed)[self.groups.rank :: world]
+
+    def scored_evaluation(self, rows: list[Any]) -> Rollout:
+        """This rank's evaluation rollout of `rows`, scored (collective over the rollout group only)."""
         rollout = self.tasks.evaluate(self.rollouter, rows, self.step)
         totals, _ = self.rewards.score(rollout.trajectories, rollout.rows)
         self.score(rollout.trajectories, totals)
-        return record.evaluation_figures(rollout)
+        return rollout
 
     def completions(self, rollout: Rollout) -> list[dict]:
         """A few of this rank's trajectories as text, for completions.jsonl."""
