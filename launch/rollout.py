@@ -111,12 +111,18 @@ def main(argv: list[str] | None = None) -> int:
         if folder is not None:
             trainer.backend.load(folder)
         records = []
-        for step in range(args.trainer.steps):
-            rollout, _ = trainer.scored_rollout(step)
-            records += [
-                trajectory_record(t, a, trainer.tokenizer, step)
-                for t, a in zip(rollout.trajectories, rollout.advantages.tolist(), strict=True)
-            ]
+        try:
+            for step in range(args.trainer.steps):
+                # user code in a local phase that ends at the world check, as in training
+                rollout, _ = trainer.together("rollout", trainer.scored_rollout, step)
+                records += [
+                    trajectory_record(t, a, trainer.tokenizer, step)
+                    for t, a in zip(rollout.trajectories, rollout.advantages.tolist(), strict=True)
+                ]
+        except parallel.WorldFailure as exc:  # on every rank: its last line names the cause
+            print(f"rollout.py: error: {exc}", file=sys.stderr, flush=True)
+            parallel.barrier_or_gone(trainer.world_check)
+            return 1
         everything = [r for part in parallel.all_gather_object(records) for r in part]
         if parallel.rank() == 0:
             out.mkdir(parents=True, exist_ok=True)

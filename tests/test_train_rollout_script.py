@@ -48,3 +48,17 @@ def test_rollout_from_a_training_checkpoint(tmp_path):
         script=ROOT / "launch" / "rollout.py",
     )
     assert bad.returncode != 0 and "--checkpoint" in bad.stderr and "no such folder" in bad.stderr
+
+
+def test_an_environment_raising_on_one_rank_ends_both_named(tmp_path):
+    from test_train_restarts import FAULTY
+
+    (tmp_path / "faulty.py").write_text(FAULTY)
+    out = tmp_path / "look"
+    args = ["--task", "faulty:make", "--output-dir", str(out), "--steps", "5", *SMALL]
+    res = torchrun(*args, script=ROOT / "launch" / "rollout.py", cwd=tmp_path, FAULT="raise")
+    assert res.returncode == 1, res.stderr[-3000:]
+    # both ranks name rank 1's environment (its conversations of step 3 raise), nothing written
+    said = res.stderr.split("rollout.py: error: rank 1 failed: ")[1:]
+    assert len(said) == 2 and all("ValueError: the environment broke" in s.splitlines()[0] for s in said)
+    assert not (out / "rollouts.jsonl").exists()
