@@ -274,7 +274,8 @@ def batch_loss(
     )
 
 
-def _reduction(key: str) -> str:
+def reduction(key: str) -> str:
+    """How a metric reduces over micro-batches and ranks: by its key's suffix ('/max', '/min'), else sum."""
     return "max" if key.endswith("/max") else "min" if key.endswith("/min") else "sum"
 
 
@@ -283,7 +284,7 @@ def merge_metrics(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) 
     if a.keys() != b.keys():
         raise ValueError(f"metrics must have the same keys, got {sorted(a.keys() ^ b.keys())} in only one")
     ops = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
-    return {k: ops[_reduction(k)](a[k], b[k]) for k in a}
+    return {k: ops[reduction(k)](a[k], b[k]) for k in a}
 
 
 def empty_metrics() -> dict[str, torch.Tensor]:
@@ -305,7 +306,7 @@ def empty_metrics() -> dict[str, torch.Tensor]:
         num_tokens=1,
         num_sequences=1,
     )
-    return {k: torch.tensor(math.inf if _reduction(k) == "min" else 0.0) for k in m}
+    return {k: torch.tensor(math.inf if reduction(k) == "min" else 0.0) for k in m}
 
 
 def finalize_metrics(sums: Mapping[str, torch.Tensor | float]) -> dict[str, float]:

@@ -205,7 +205,17 @@ class GRPOTrainer:
             pad_to_multiple=self.backend.pad_to_multiple,
             pad_id=pad_id(self.tokenizer),
         )
-        metrics = update(self, batches, shared)
+        result = update(
+            self.backend,
+            batches,
+            shared,
+            loss_config=self.loss_config,
+            updates=self.config.updates_per_rollout,
+            loss_fn=self.loss_fn,
+            dp_group=self.groups.dp,
+        )
+        self.skipped_steps += result.skipped
+        metrics = result.metrics
         # once after the rollout's optimizer steps: nothing generates between them. The slowest
         # rank's time is the step's (collective: every rank syncs here)
         sync_s = torch.tensor([self.backend.sync_engine_weights()], dtype=torch.float64)

@@ -8,26 +8,61 @@ zero-weighted placeholder batch so the gradient all-reduce stays aligned.
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
 from interlens_mcore import parallel
 from interlens_mcore.batch import TrainingBatch, build_batch
-from interlens_mcore.loss import empty_metrics, finalize_metrics, merge_metrics
+from interlens_mcore.loss import (
+    LossConfig,
+    batch_loss,
+    empty_metrics,
+    finalize_metrics,
+    merge_metrics,
+    reduction,
+)
 from interlens_mcore.loss_mask import denominators, is_weight_sums, loss_token_mask
 from interlens_mcore.rollout import Rollout
 from interlens_mcore.trajectory import Trajectory
 
-# reductions over the DP group by key suffix; every other metric is a sum
-_REDUCE = {"/max": "max", "/min": "min"}
+
+class Trainable(Protocol):
+    """The part of a `Backend` an update uses."""
+
+    layout: str
+    pad_to_multiple: int
+
+    def logprobs_of(self, batch: TrainingBatch, *, reference: bool = False) -> torch.Tensor: ...
+
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    def optimizer_step(self) -> float: ...
 
 
-def update(trainer: Any, batches: list[TrainingBatch | None], rollout: Rollout) -> dict[str, float]:
-    """`updates_per_rollout` optimizer steps on `batches`; returns the finalized metrics."""
-    backend, groups, cfg = trainer.backend, trainer.groups, trainer.loss_config
+@dataclass(frozen=True)
+class UpdateResult:
+    """What one step's updates did."""
+
+    metrics: dict[str, float]  # the loss metrics, reduced over the DP group and finalized
+    skipped: int  # optimizer updates the backend did not apply (a non-finite gradient norm)
+
+
+def update(
+    backend: Trainable,
+    batches: list[TrainingBatch | None],
+    rollout: Rollout,
+    *,
+    loss_config: LossConfig,
+    updates: int = 1,
+    loss_fn: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]] = batch_loss,
+    dp_group: Any = None,
+) -> UpdateResult:
+    """`updates` optimizer steps on `batches` (None: this rank has no rows for that micro-batch)."""
+    cfg = loss_config
     placeholder = _placeholder(rollout, backend)
-    updates = trainer.config.updates_per_rollout
     refs = [backend.logprobs_of(b, reference=True) if b and cfg.beta > 0 else None for b in batches]
     # Which tokens stay in the loss (non-finite logprobs and rejection rules remove some) must be
     # known before the first backward, since both global denominators leave them out. With one
@@ -49,9 +84,9 @@ def update(trainer: Any, batches: list[TrainingBatch | None], rollout: Rollout) 
             if cfg.is_batch_normalize:
                 counts[2:] += is_weight_sums(b, o, m, cfg)
     # global denominators: the loss of every micro-batch on every DP rank sums to the mean
-    num_tokens, num_sequences, w_sum, w_count = parallel.all_reduce(counts, group=groups.dp).tolist()
+    num_tokens, num_sequences, w_sum, w_count = parallel.all_reduce(counts, group=dp_group).tolist()
     if num_tokens == 0:  # nothing trainable anywhere (e.g. every group dropped or rejected)
-        return {"grad_norm": 0.0, "skipped": 1.0, "step_skipped": 0.0}
+        return UpdateResult({"grad_norm": 0.0, "skipped": 1.0, "step_skipped": 0.0}, skipped=0)
     extra = {"is_weight_mean": w_sum / w_count if w_count else 1.0} if cfg.is_batch_normalize else {}
     skipped, sums, grad_norm = 0, None, 0.0
     for k in range(updates):
@@ -66,9 +101,7 @@ def update(trainer: Any, batches: list[TrainingBatch | None], rollout: Rollout) 
                 "token_mask": masks[i] if real else None,
                 **extra,
             }
-            loss, metrics = trainer.loss_fn(
-                lp, mb, cfg, num_tokens=num_tokens, num_sequences=num_sequences, **kwargs
-            )
+            loss, metrics = loss_fn(lp, mb, cfg, num_tokens=num_tokens, num_sequences=num_sequences, **kwargs)
             # a rank with no rows still joins the gradient all-reduce, contributing zero
             loss = loss if real else loss * 0.0
             if not torch.isfinite(loss.detach()):
@@ -84,12 +117,11 @@ def update(trainer: Any, batches: list[TrainingBatch | None], rollout: Rollout) 
         grad_norm = backend.optimizer_step()
         # the backend did not apply this update (see Backend.optimizer_step): count it
         skipped += not math.isfinite(grad_norm)
-    trainer.skipped_steps += skipped
-    metrics = reduce_metrics(sums, groups.dp)
-    return {**metrics, "grad_norm": grad_norm, "step_skipped": float(skipped > 0)}
+    metrics = reduce_metrics(sums, dp_group)
+    return UpdateResult({**metrics, "grad_norm": grad_norm, "step_skipped": float(skipped > 0)}, skipped)
 
 
-def _placeholder(rollout: Rollout, backend: Any) -> TrainingBatch:
+def _placeholder(rollout: Rollout, backend: Trainable) -> TrainingBatch:
     # stands in for an empty micro-batch so collectives stay aligned; its loss is scaled by 0
     first = next((t for t in rollout.trajectories if t.num_trained_tokens > 0), None)
     first = first or Trajectory(token_ids=[0, 0], loss_mask=[0, 1], rollout_logprobs=None)
@@ -103,7 +135,7 @@ def reduce_metrics(sums: dict | None, group: Any) -> dict[str, float]:
     keys = sorted(sums)  # the same key set on every rank, whatever its config
     merged: dict[str, float] = {}
     for op in ("sum", "max", "min"):
-        mine = [k for k in keys if _REDUCE.get("/" + k.rsplit("/", 1)[-1], "sum") == op]
+        mine = [k for k in keys if reduction(k) == op]
         if not mine:
             continue
         values = torch.stack([sums[k].double() for k in mine])
