@@ -10,9 +10,9 @@ blocked in a collective, or gone).
 
 Start-up: a worker is a fresh Python (`subprocess`, fork + exec: forking the trainer itself,
 with its threads and CUDA state, is unsafe) that imports the tools' modules once, then serves
-calls one at a time. A pool keeps up to `workers` of them per trainer process, started on
-demand (the first when tools are offered, so its imports overlap the first generation) and
-replaced when one is killed. The time limit of a call counts from when a ready worker
+calls one at a time. A pool keeps `workers` of them per trainer process, started when tools
+are first offered (so their imports overlap the first generation) and each replaced when it
+is killed. The time limit of a call counts from when a ready worker
 receives it, so start-up and imports never count against a tool; `start_timeout_s` bounds them.
 
 What crosses the pipe: JSON lines only. A call names its tool as `MODULE:QUALNAME` (the worker
@@ -184,11 +184,15 @@ class WorkerPool:
         self._closed = False
 
     def prepare(self, modules: Iterable[str]) -> None:
-        """Import `modules` in every worker from now on; start the first worker if none is."""
+        """Import `modules` in every worker from now on; start the workers if none is running.
+
+        Started here, the workers import their tools while the policy writes its first turns,
+        so a round's first calls rarely wait for one.
+        """
         with self._lock:
             self._modules.update(modules)
             if not self._closed and not self._idle and not self._busy:
-                self._idle.append(_Worker(self._modules))
+                self._idle.extend(_Worker(self._modules) for _ in range(self.limits.workers))
 
     async def call(
         self, name: str, reference: str, arguments: dict[str, Any], *, timeout_s: float | None, max_chars: int

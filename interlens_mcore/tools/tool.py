@@ -76,8 +76,11 @@ def reference_of(fn: Callable[..., Any]) -> tuple[str | None, str]:
 
 
 def as_tool(fn: Callable[..., Any] | Tool) -> Tool:
-    """`fn` with its schema from its signature and docstring; a `Tool` is returned unchanged."""
+    """`fn` with its schema from its signature and docstring; a `Tool` as it is (with its
+    function's reference if it was made without one)."""
     if isinstance(fn, Tool):
+        if fn.reference is None:
+            return dataclasses.replace(fn, reference=reference_of(fn.fn)[0])
         return fn
     if not callable(fn):
         raise ValueError(f"a tool must be a function, got {type(fn).__name__}")

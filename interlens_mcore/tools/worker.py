@@ -106,8 +106,14 @@ async def _awaited(awaitable: Any) -> Any:
 
 # -- the worker process -----------------------------------------------------------------------
 def _address_space() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[0]) * resource.getpagesize()
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[0]) * resource.getpagesize()
+    except OSError:
+        raise OSError(
+            "a memory limit is measured from /proc/self/statm (Linux), which cannot be read here; "
+            "use WorkerLimits(memory_mb=None) on this system"
+        ) from None
 
 
 @contextmanager
