@@ -41,7 +41,7 @@ from ..conversation import Conversation, Environment
 from ..limits import StepTimeout, await_limited, check_time_limit, maybe_await
 from ..trajectory import Message
 from .parser import HermesParser, ToolCall, ToolCallParser
-from .pool import WorkerLimits, shared_pool
+from .pool import WorkerLimits, WorkerPool, shared_pool
 from .tool import Tool, as_tools, reference_of
 from .worker import describe, run_call
 
@@ -62,6 +62,13 @@ def check_isolation(tools: Sequence[Tool], isolation: str, where: str) -> None:
                 "isolation='thread' to run tools in this process (without CPU and memory limits, "
                 "and a tool that holds the GIL then stalls the rank)"
             )
+
+
+def start_workers(tools: Sequence[Tool], limits: WorkerLimits) -> WorkerPool:
+    """The pool that runs `tools` under `limits`, its workers importing their modules from now."""
+    pool = shared_pool(limits)
+    pool.prepare({t.reference.partition(":")[0] for t in tools if t.reference is not None})
+    return pool
 
 
 class ToolEnvironment(Environment):
@@ -90,9 +97,9 @@ class ToolEnvironment(Environment):
         check_isolation(described, isolation, "ToolEnvironment")
         self.tools = {t.name: t for t in described}
         self.isolation = isolation
-        self._pool = shared_pool(worker_limits or WorkerLimits()) if isolation == "process" else None
-        if self._pool is not None:  # the first worker starts importing the tools now
-            self._pool.prepare({t.reference.partition(":")[0] for t in described if t.reference})
+        self._pool = (
+            start_workers(described, worker_limits or WorkerLimits()) if isolation == "process" else None
+        )
         self.inner, self.policy, self.parser = inner, policy, parser or HermesParser()
         self.max_calls, self.tool_timeout_s = max_calls, tool_timeout_s
         self.max_result_chars = max_result_chars

@@ -11,8 +11,8 @@ blocked in a collective, or gone).
 Start-up: a worker is a fresh Python (`subprocess`, fork + exec: forking the trainer itself,
 with its threads and CUDA state, is unsafe) that imports the tools' modules once, then serves
 calls one at a time. A pool keeps `workers` of them per trainer process, started when tools
-are first offered (so their imports overlap the first generation) and each replaced when it
-is killed. The time limit of a call counts from when a ready worker
+are first offered (`with_tools`, a `ToolEnvironment`: they import while the trainer loads its
+model) and each replaced when it is killed. The time limit of a call counts from when a ready worker
 receives it, so start-up and imports never count against a tool; `start_timeout_s` bounds them.
 
 What crosses the pipe: JSON lines only. A call names its tool as `MODULE:QUALNAME` (the worker
@@ -186,8 +186,8 @@ class WorkerPool:
     def prepare(self, modules: Iterable[str]) -> None:
         """Import `modules` in every worker from now on; start the workers if none is running.
 
-        Started here, the workers import their tools while the policy writes its first turns,
-        so a round's first calls rarely wait for one.
+        Started here, the workers import their tools while the trainer gets ready, so a
+        round's first calls rarely wait for one.
         """
         with self._lock:
             self._modules.update(modules)

@@ -19,7 +19,7 @@ from typing import Any
 from ..conversation import Environment, Participant, Policy
 from ..tasks.base import TaskSource
 from ..trajectory import Message
-from .environment import ToolEnvironment, check_isolation
+from .environment import ToolEnvironment, check_isolation, start_workers
 from .parser import HermesParser, ToolCallParser
 from .pool import WorkerLimits
 from .render import tools_system_text
@@ -101,6 +101,8 @@ class ToolTaskSource(TaskSource):
             )
         self.source, self.tools, self.options, self.tokenizer = source, as_tools(tools), options, tokenizer
         check_isolation(self.tools, options.isolation, "with_tools")
+        if options.isolation == "process":  # the workers import the tools while the trainer starts
+            start_workers(self.tools, options.worker_limits)
         self.name = f"{source.name}+tools"
         self.trained_seats, self.frozen_seats = source.trained_seats, source.frozen_seats
 

@@ -7,7 +7,7 @@ line each way, the worker answering each request in turn:
     parent -> worker   {"hello": {"sys_path": [...], "modules": [...]}}    once, first
                        {"load": MODULE}                                    import a tool's module
                        {"call": "MODULE:NAME", "name": ..., "arguments": {...},
-                        "cpu_s": int | null, "memory_bytes": int | null, "max_chars": int}
+                        "cpu_s": number | null, "memory_bytes": int | null, "max_chars": int}
     worker -> parent   {"ready": true, "loaded": [...]}                    after the hello
                        {"ok": bool, "text": str}                           after a load or call
 
@@ -117,7 +117,7 @@ def _address_space() -> int:
 
 
 @contextmanager
-def _limits(cpu_s: int | None, memory_bytes: int | None) -> Iterator[None]:
+def _limits(cpu_s: float | None, memory_bytes: int | None) -> Iterator[None]:
     """CPU time and address space of one call, on top of what the worker has used so far."""
     cpu_before = resource.getrlimit(resource.RLIMIT_CPU)
     as_before = resource.getrlimit(resource.RLIMIT_AS)
@@ -154,7 +154,7 @@ class _Worker:
         try:
             importlib.import_module(module)
         except BaseException as exc:
-            return False, describe(exc)
+            return False, cut(describe(exc), 2000)
         return True, ""
 
     def call(self, request: dict[str, Any]) -> tuple[bool, str]:
@@ -178,7 +178,8 @@ class _Worker:
             try:
                 ok, text = self.load(request["load"]) if "load" in request else self.call(request)
             except BaseException as exc:  # the worker's own failure while answering, MemoryError say
-                ok, text = False, f"the tool worker failed: {describe(exc)}"
+                who = f"tool {request['name']!r}" if "name" in request else "the tool worker"
+                ok, text = False, f"{who} could not be run in its worker process: {describe(exc)}"
             self.send({"ok": ok, "text": text})
 
 
