@@ -80,17 +80,20 @@ def call_limited(fn: Callable, *args: Any, limit: float | None) -> Any:
     return value
 
 
-async def await_limited(fn: Callable, *args: Any, limit: float | None, serial: asyncio.Lock) -> Any:
+async def await_limited(
+    fn: Callable, *args: Any, limit: float | None, serial: asyncio.Lock, threaded: bool = False
+) -> Any:
     """fn(*args), sync or async, awaited; raise StepTimeout once `limit` s have passed.
 
-    Without a limit an async fn is awaited and a sync one runs inline, as they always have.
-    With one, an async fn is awaited under the limit and cancelled when it expires; a sync
-    fn runs in a daemon thread, one at a time under `serial` (sync code was never called
-    concurrently), its limit counted from when it starts. The thread cannot be killed: after a
-    timeout it may still be running while the next sync call starts, so a sync step that can
-    time out must tolerate that; what it returns is discarded.
+    Without a limit an async fn is awaited and a sync one runs inline, as they always have
+    (in a daemon thread all the same with `threaded`). With one, an async fn is awaited under
+    the limit and cancelled when it expires; a sync fn runs in a daemon thread, one at a time
+    under `serial` (sync code was never called concurrently), its limit counted from when it
+    starts. The thread cannot be killed: after a timeout it may still be running while the next
+    sync call starts, so a sync step that can time out must tolerate that; what it returns is
+    discarded.
     """
-    if limit is None:
+    if limit is None and not threaded:
         return await maybe_await(fn(*args))
     if inspect.iscoroutinefunction(fn):
         return await _within(fn(*args), limit)
@@ -107,7 +110,7 @@ async def await_limited(fn: Callable, *args: Any, limit: float | None, serial: a
         _in_daemon_thread(fn, args, deliver)
         value = await _within(future, limit)
     if inspect.isawaitable(value):  # a sync fn that hands back a coroutine: the rest of the limit
-        value = await _within(value, limit - (time.monotonic() - start))
+        value = await _within(value, None if limit is None else limit - (time.monotonic() - start))
     return value
 
 
@@ -116,10 +119,10 @@ def _settle(future: asyncio.Future, ok: bool, value: Any) -> None:
         future.set_result(value) if ok else future.set_exception(value)
 
 
-async def _within(awaitable: Any, limit: float) -> Any:
+async def _within(awaitable: Any, limit: float | None) -> Any:
     # asyncio.wait rather than wait_for: a TimeoutError raised by the call itself stays an error
     task = asyncio.ensure_future(awaitable)
-    done, _ = await asyncio.wait({task}, timeout=max(limit, 0.0))
+    done, _ = await asyncio.wait({task}, timeout=None if limit is None else max(limit, 0.0))
     if task not in done:
         task.cancel()
         raise StepTimeout

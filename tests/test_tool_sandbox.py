@@ -54,6 +54,21 @@ ESCAPES = [
     ("max(*[1, 2])", "starred arguments"),
     ("dict(**{'a': 1})", "** arguments"),
     ("b'x'", "constant bytes"),
+    # one C call of the allowed ones that would run far past the time limit, bounded before it runs
+    ("round(1, -10 ** 7)", "round() to -10000000 digits refused"),  # CPython computes 10 ** 10**7
+    ("round(2.5, 10 ** 30)", "digits refused"),
+    ("sorted(range(10000), key=perm)", "4096"),  # each key call is checked: perm(9999) is 9999!
+    ("max(range(10000), key=factorial)", "4096"),
+    ("perm(10 ** 18)", "perm(1000000000000000000, 1000000000000000000) refused"),
+    ("comb(10 ** 100, 10 ** 99)", "comb(<333-bit integer>, <329-bit integer>) refused"),
+    # every x * (2**61 - 1) hashes to 0: building them is quadratic in one C call
+    ("len({x * (2 ** 61 - 1) for x in range(10000)})", "keys of one hash value refused"),
+    ("len(set(x * (2 ** 61 - 1) for x in range(10000)))", "keys of one hash value refused"),
+    ("{x * (2 ** 61 - 1): 0 for x in range(3000)}", "keys of one hash value refused"),
+    ("dict((x * (2 ** 61 - 1), 0) for x in range(3000))", "keys of one hash value refused"),
+    ("{x * (2 ** 61 - 1) for x in range(8)} | {x * (2 ** 61 - 1) for x in range(8, 16)}", "hash value"),
+    ("{**[1]}", "** in a dict display takes a dict, got list"),
+    ("set([1], [2])", "set() takes at most 1 argument"),
 ]
 
 
@@ -91,6 +106,16 @@ def test_refusals_come_before_running():
         ("'b' in 'abc' and not 0", "True"),
         ("len(str(10 ** 100))", "101"),
         ("(1, 2, 3)[::-1]", "(3, 2, 1)"),
+        ("{**{1: 2}}", "{1: 2}"),
+        ("{**{1: 2}, 3: 4, **{1: 5}}", "{1: 5, 3: 4}"),
+        ("round(12345, -2)", "12300"),
+        ("sorted([3, -1, 2], key=abs)", "[-1, 2, 3]"),
+        ("{-1, -2} == {-2, -1}", "True"),  # hash(-1) == hash(-2): a collision the limit allows
+        ("len({x * (2 ** 61 - 1) for x in range(8)})", "8"),  # up to 8 keys of one hash
+        ("dict(zip('ab', range(2)))", "{'a': 0, 'b': 1}"),
+        ("comb(10 ** 100, 3) > 0 and perm(10 ** 100, 2) > 0", "True"),
+        ("factorial(500) > 2 ** 3700", "True"),
+        ("sqrt is sqrt", "True"),
     ],
 )
 def test_values(source, value):
@@ -120,6 +145,26 @@ def test_limits_are_configurable():
     with pytest.raises(SandboxError, match="time limit"):
         slow.evaluate("sum(1 for x in range(1000) for y in range(1000) if 0)")
     assert time.monotonic() - start < 1.0
+
+
+def test_a_function_passed_as_a_value_is_counted_per_call():
+    # sorted calls its key 50 or 150 times: those calls are steps like any other
+    small = Sandbox(SandboxLimits(max_steps=100))
+    assert small.evaluate("sorted(range(50), key=abs)")[-1] == 49
+    with pytest.raises(SandboxError, match="after 100 steps"):
+        small.evaluate("sorted(range(150), key=abs)")
+
+
+def test_the_time_limit_reports_the_time_taken():
+    # the clock is read at every step, so the evaluation stops within one step of its limit
+    # and says how long it ran, never less than the limit nor more than it really took
+    slow = Sandbox(SandboxLimits(max_seconds=0.2, max_steps=10**9))
+    start = time.monotonic()
+    with pytest.raises(SandboxError, match="time limit is 0.2 s") as exc:
+        slow.evaluate("sum(len(list(range(10000))) for x in range(10000) for y in range(10000))")
+    took = time.monotonic() - start
+    reported = float(str(exc.value).split("after ")[1].split(" s")[0])
+    assert 0.2 <= reported <= took + 0.01, (reported, took)
 
 
 @settings(max_examples=300, deadline=None)

@@ -143,7 +143,7 @@ def _run(replies, tools, **kw):
     judge = Scripted("judge", ["judged"])
     env = ToolEnvironment(tools, judge, **kw)
     conv = Conversation([policy, env], run_until=MaxTurns(2 * len(replies)))
-    co_step([conv], step_timeout_s=5.0)
+    co_step([conv], step_timeout_s=60.0)  # against a hang; a first call may wait for a worker to start
     return conv
 
 
@@ -252,8 +252,9 @@ def test_a_hanging_sync_tool_is_cut_off():
         time.sleep(5)
         return x
 
+    # a closure cannot be imported by a worker process: it runs in this process, in a thread
     start = time.monotonic()
-    conv = _run([call("hang", x=1), "ok"], [hang], tool_timeout_s=0.2)
+    conv = _run([call("hang", x=1), "ok"], [hang], tool_timeout_s=0.2, isolation="thread")
     assert "ran past 0.2 s" in conv.messages[1].content and time.monotonic() - start < 3
 
 

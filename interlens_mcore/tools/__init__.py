@@ -2,10 +2,13 @@
 
 `with_tools(source, tools)` offers tools to any task source's policy; `load_tools` reads the
 `MODULE:FN,...` form of `--tools`; `examples` holds a calculator and a sandboxed evaluator.
+Tools run in worker processes under `WorkerLimits` (`pool`), or in the trainer's process with
+`isolation="thread"`.
 """
 
 from .environment import TOOL_COUNTERS, ToolEnvironment, tool_metrics
 from .parser import HermesParser, ParsedCalls, ToolCall, ToolCallParser
+from .pool import WorkerLimits
 from .render import plain_preamble, template_preamble, tools_system_text
 from .sandbox import Sandbox, SandboxError, SandboxLimits
 from .task import ToolOptions, ToolTask, ToolTaskSource, with_tools
@@ -25,6 +28,7 @@ __all__ = [
     "ToolOptions",
     "ToolTask",
     "ToolTaskSource",
+    "WorkerLimits",
     "as_tool",
     "as_tools",
     "load_tools",

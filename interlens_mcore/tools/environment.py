@@ -6,10 +6,23 @@ again; any other reply goes to the wrapped environment (the task's judge, game m
 which answers as it would without tools. So the wrapped environment only ever sees replies
 that are not tool calls, and its reward is the task's reward.
 
-A malformed call, an unknown tool, wrong arguments, a tool that raises or one that runs past
-`tool_timeout_s` becomes an `error: ...` line in the result the policy reads, and is counted.
-After `max_calls` calls in one conversation, replies go to the wrapped environment whatever
-they hold, which bounds the conversation's turns.
+A malformed call, an unknown tool, wrong arguments, a tool that raises (any `BaseException`:
+`SystemExit`, `KeyboardInterrupt`, an exception whose message raises), returns a value whose
+text cannot be made, or runs past `tool_timeout_s` becomes an `error: ...` line in the result
+the policy reads, and is counted; the rollout goes on. After `max_calls` calls in one
+conversation, replies go to the wrapped environment whatever they hold, which bounds the
+conversation's turns.
+
+Where tools run (`isolation`):
+- `"process"` (the default): in worker processes (`pool`), sync and async tools alike, under
+  `worker_limits` (CPU time, memory), each call killed at `tool_timeout_s`; calls of one round
+  run at once, up to `worker_limits.workers`. No tool can hold the rank: one that spins in C
+  code is killed at its limit while the others finish. Each tool must be importable by name
+  (`Tool.reference`); one that is not is refused here, with the reason.
+- `"thread"`: in this process, one call at a time, each in a daemon thread (an async tool in
+  its own event loop there) awaited up to `tool_timeout_s`. For tools that cannot be imported
+  (closures); a thread cannot be killed, so a tool that holds the GIL stalls the rank, and one
+  that never returns keeps its thread.
 
 Counts kept in `conv.infos` (summed over the conversation, for the trainer's metrics):
 `tool_calls` (calls attempted, well-formed or not), `tool_valid_calls` (well-formed calls of
@@ -28,9 +41,34 @@ from ..conversation import Conversation, Environment
 from ..limits import StepTimeout, await_limited, check_time_limit, maybe_await
 from ..trajectory import Message
 from .parser import HermesParser, ToolCall, ToolCallParser
-from .tool import Tool, as_tools
+from .pool import WorkerLimits, WorkerPool, shared_pool
+from .tool import Tool, as_tools, reference_of
+from .worker import describe, run_call
 
 TOOL_COUNTERS = ("tool_calls", "tool_valid_calls", "tool_errors", "tool_turns")
+ISOLATIONS = ("process", "thread")
+
+
+def check_isolation(tools: Sequence[Tool], isolation: str, where: str) -> None:
+    """ValueError naming `where` unless `isolation` is known and every tool can run under it."""
+    if isolation not in ISOLATIONS:
+        raise ValueError(f"{where}: isolation must be one of {list(ISOLATIONS)}, got {isolation!r}")
+    for tool in tools:
+        if isolation == "process" and tool.reference is None:
+            why = reference_of(tool.fn)[1]
+            raise ValueError(
+                f"{where}: tool {tool.name!r} cannot run in a worker process, which imports a tool by "
+                f"module and name: {why}. Define it at the top level of a module, or pass "
+                "isolation='thread' to run tools in this process (without CPU and memory limits, "
+                "and a tool that holds the GIL then stalls the rank)"
+            )
+
+
+def start_workers(tools: Sequence[Tool], limits: WorkerLimits) -> WorkerPool:
+    """The pool that runs `tools` under `limits`, its workers importing their modules from now."""
+    pool = shared_pool(limits)
+    pool.prepare({t.reference.partition(":")[0] for t in tools if t.reference is not None})
+    return pool
 
 
 class ToolEnvironment(Environment):
@@ -49,11 +87,19 @@ class ToolEnvironment(Environment):
         max_calls: int = 4,
         tool_timeout_s: float | None = 10.0,
         max_result_chars: int = 2000,
+        isolation: str = "process",
+        worker_limits: WorkerLimits | None = None,
     ):
         if max_calls < 0:
             raise ValueError(f"ToolEnvironment.max_calls must be >= 0, got {max_calls}")
         check_time_limit(tool_timeout_s, "ToolEnvironment.tool_timeout_s")
-        self.tools = {t.name: t for t in as_tools(tools)}
+        described = as_tools(tools)
+        check_isolation(described, isolation, "ToolEnvironment")
+        self.tools = {t.name: t for t in described}
+        self.isolation = isolation
+        self._pool = (
+            start_workers(described, worker_limits or WorkerLimits()) if isolation == "process" else None
+        )
         self.inner, self.policy, self.parser = inner, policy, parser or HermesParser()
         self.max_calls, self.tool_timeout_s = max_calls, tool_timeout_s
         self.max_result_chars = max_result_chars
@@ -109,14 +155,18 @@ class ToolEnvironment(Environment):
         if problem is not None:
             return None, problem
         try:
-            out = await await_limited(
-                functools.partial(tool.fn, **call.arguments), limit=self.tool_timeout_s, serial=self._lock()
-            )
+            if self._pool is not None and tool.reference is not None:
+                return await self._pool.call(
+                    tool.name, tool.reference, call.arguments,
+                    timeout_s=self.tool_timeout_s, max_chars=self.max_result_chars,
+                )  # fmt: skip
+            # in a thread, where whatever the tool raises becomes its (False, text)
+            run = functools.partial(run_call, tool.name, tool.fn, call.arguments)
+            return await await_limited(run, limit=self.tool_timeout_s, serial=self._lock(), threaded=True)
         except StepTimeout:
             return False, f"tool {call.name!r} ran past {self.tool_timeout_s:g} s"
-        except Exception as exc:  # the policy reads what went wrong; the step carries on
-            return False, f"tool {call.name!r} raised {type(exc).__name__}: {exc}"
-        return True, out if isinstance(out, str) else repr(out)
+        except Exception as exc:  # running the call failed: the policy reads it; the step carries on
+            return False, f"tool {call.name!r} could not be run: {describe(exc)}"
 
     def _lock(self) -> asyncio.Lock:
         # co_step runs each round in a fresh event loop: a lock belongs to the loop that made it

@@ -8,12 +8,15 @@ this module (never by `eval`), so every bound is enforced before the work is don
   (`__import__`, `__builtins__`), attribute access of any kind (`().__class__.__mro__`,
   `x.real`), lambdas, f-strings and `%`-formatting (a format width allocates), starred
   arguments, more than `max_chars` characters, nesting deeper than `max_depth`;
-- refused when reached, before the operation runs: integers over `max_int_bits` bits
-  (`9 ** 9 ** 9`, `1 << 10**9`, products of big numbers), sequences over `max_items` items
-  (`"a" * 10**9`, `range(10**12)`, concatenation), `factorial` / `comb` / `perm` of large
-  arguments;
-- stopped while running: more than `max_steps` evaluated nodes (each loop iteration counts),
-  or more than `max_seconds` of wall time.
+- refused when reached, before the operation runs (`sandbox_bounds`): integers over
+  `max_int_bits` bits (`9 ** 9 ** 9`, `1 << 10**9`, products of big numbers, `factorial`,
+  `perm` and `comb` of large arguments), `round` to more digits than such an integer has
+  (`round(1, -10**7)`), sequences over `max_items` items (`"a" * 10**9`, `range(10**12)`,
+  concatenation), sets and dicts whose keys share hash values (`{x * (2**61 - 1) for x in
+  ...}`); a function passed as a value (`sorted(xs, key=perm)`) is called back through the
+  same checks, one step a call;
+- stopped while running: more than `max_steps` evaluated nodes and function calls (each loop
+  iteration counts), or more than `max_seconds` of wall time, checked at every step.
 
 Every refusal is a `SandboxError` whose message says what was refused and the limit.
 """
@@ -28,25 +31,14 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-
-class SandboxError(ValueError):
-    """An expression was refused or failed; the message says why."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class SandboxLimits:
-    """Bounds of one evaluation."""
-
-    max_chars: int = 2000  # length of the expression's source
-    max_depth: int = 40  # nesting of the syntax tree
-    max_steps: int = 100_000  # syntax nodes evaluated, loop iterations included
-    max_int_bits: int = 4096  # size of any integer produced
-    max_items: int = 10_000  # items of any value produced, nested items and characters included
-    max_seconds: float = 1.0  # wall time of the evaluation
-
-
-def _range(*args: int) -> range:
-    return range(*args)
+from .sandbox_bounds import (
+    HashedBuilder,
+    SandboxError,
+    SandboxLimits,
+    check_binop,
+    check_call,
+    check_hash_spread,
+)
 
 
 def _sum(values: Iterable, start: Any = 0) -> Any:
@@ -83,32 +75,16 @@ def _total_items(value: Any, cap: int) -> int:
     return total
 
 
-def _guarded_factorial(n: int) -> int:
-    if isinstance(n, int) and n > 1000:
-        raise SandboxError(f"factorial({n}) refused: the argument limit is 1000")
-    return math.factorial(n)
-
-
-def _guarded_choose(fn: Callable[..., int]) -> Callable[..., int]:
-    def choose(n: int, k: int | None = None) -> int:
-        if isinstance(n, int) and n > 10_000:
-            raise SandboxError(f"{fn.__name__}({n}, ...) refused: the argument limit is 10000")
-        return fn(n) if k is None else fn(n, k)
-
-    choose.__name__ = fn.__name__
-    return choose
-
-
 # Pure functions of values; none of them reaches an object's attributes or the interpreter.
 SAFE_FUNCTIONS: dict[str, Any] = {
     "abs": abs, "all": all, "any": any, "bool": bool, "divmod": divmod, "enumerate": enumerate,
-    "float": float, "int": int, "len": len, "list": list, "max": max, "min": min, "range": _range,
+    "float": float, "int": int, "len": len, "list": list, "max": max, "min": min, "range": range,
     "reversed": reversed, "round": round, "set": set, "sorted": sorted, "str": _str, "sum": _sum,
     "tuple": tuple, "zip": zip, "dict": dict,
     "sqrt": math.sqrt, "exp": math.exp, "log": math.log, "log2": math.log2, "log10": math.log10,
     "sin": math.sin, "cos": math.cos, "tan": math.tan, "atan": math.atan, "floor": math.floor,
-    "ceil": math.ceil, "gcd": math.gcd, "isqrt": math.isqrt, "factorial": _guarded_factorial,
-    "comb": _guarded_choose(math.comb), "perm": _guarded_choose(math.perm),
+    "ceil": math.ceil, "gcd": math.gcd, "isqrt": math.isqrt, "factorial": math.factorial,
+    "comb": math.comb, "perm": math.perm,
     "pi": math.pi, "e": math.e, "True": True, "False": False, "None": None,
 }  # fmt: skip
 
@@ -158,16 +134,20 @@ def _depth(node: ast.AST) -> int:
     return deepest
 
 
+_DEFAULT_LIMITS = SandboxLimits()
+
+
 class Sandbox:
     """Evaluates checked expressions under `limits`, with `names` as the only free names.
 
     `Sandbox()` allows the expression language above with `SAFE_FUNCTIONS`;
-    `Sandbox(nodes=ARITHMETIC_NODES, names={})` allows numbers and arithmetic only.
+    `Sandbox(nodes=ARITHMETIC_NODES, names={})` allows numbers and arithmetic only. One
+    sandbox may evaluate from several threads at once: each evaluation keeps its own count.
     """
 
     def __init__(
         self,
-        limits: SandboxLimits = SandboxLimits(),
+        limits: SandboxLimits = _DEFAULT_LIMITS,
         *,
         names: Mapping[str, Any] = SAFE_FUNCTIONS,
         nodes: tuple[type, ...] = EXPRESSION_NODES,
@@ -237,30 +217,66 @@ class Sandbox:
     def evaluate(self, source: str) -> Any:
         """The value of `source`, or a SandboxError saying what was refused or failed."""
         tree = self.check(source)
-        self._steps = 0
-        self._deadline = time.monotonic() + self.limits.max_seconds
         try:
-            return self._eval(tree.body, {})
+            return _Evaluation(self.limits, self.names).run(tree.body)
         except SandboxError:
             raise
         except RecursionError:
             raise SandboxError("expression nested too deeply to evaluate") from None
-        except (ArithmeticError, TypeError, ValueError, IndexError, KeyError) as exc:
+        except MemoryError:
+            raise SandboxError("the evaluation ran out of memory") from None
+        except Exception as exc:  # whatever an allowed operation raises is the expression's error
             raise SandboxError(f"{type(exc).__name__}: {exc}") from None
 
-    def _tick(self) -> None:
-        self._steps += 1
-        if self._steps > self.limits.max_steps:
-            raise SandboxError(f"evaluation stopped after {self.limits.max_steps} steps (the step limit)")
-        if self._steps % 256 == 0 and time.monotonic() > self._deadline:
-            raise SandboxError(f"evaluation stopped after {self.limits.max_seconds:g} s (the time limit)")
 
-    def _eval(self, node: ast.AST, scope: dict[str, Any]) -> Any:
-        self._tick()
+@dataclass(frozen=True, eq=False)
+class _Function:
+    """An allowed function as the expression sees it: calling it goes through the checks.
+
+    So a function handed to another as a value (`sorted(xs, key=perm)`) is checked, counted
+    and sized on each call the other makes, as a call written in the expression would be.
+    """
+
+    fn: Callable[..., Any]
+    evaluation: _Evaluation
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.evaluation.apply(self.fn, args, kwargs)
+
+    def __repr__(self) -> str:
+        return repr(self.fn)
+
+
+class _Evaluation:
+    """One evaluation: the interpreter, its step count and its deadline."""
+
+    def __init__(self, limits: SandboxLimits, names: dict[str, Any]):
+        self.limits, self.names = limits, names
+        self.steps, self.start = 0, time.monotonic()
+        self.functions: dict[int, _Function] = {}  # one wrapper per function, so `is` holds
+
+    def run(self, node: ast.AST) -> Any:
+        return self.eval(node, {})
+
+    def tick(self) -> None:
+        self.steps += 1
+        lim = self.limits
+        if self.steps > lim.max_steps:
+            raise SandboxError(f"evaluation stopped after {lim.max_steps} steps (the step limit)")
+        elapsed = time.monotonic() - self.start
+        if elapsed > lim.max_seconds:
+            raise SandboxError(
+                f"evaluation stopped after {elapsed:.2f} s (the time limit is {lim.max_seconds:g} s)"
+            )
+
+    def eval(self, node: ast.AST, scope: dict[str, Any]) -> Any:
+        self.tick()
         method = getattr(self, f"_eval_{type(node).__name__}")
-        return self._sized(method(node, scope))
+        value = method(node, scope)
+        # a name's value was sized when it was made, and a call's result by `apply`
+        return value if isinstance(node, (ast.Name, ast.Call)) else self.sized(value)
 
-    def _sized(self, value: Any) -> Any:
+    def sized(self, value: Any) -> Any:
         lim = self.limits
         if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > lim.max_int_bits:
             raise SandboxError(
@@ -273,103 +289,115 @@ class Sandbox:
             )
         return value
 
+    def apply(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """fn(*args, **kwargs) for an allowed function: counted, checked before, sized after."""
+        self.tick()
+        check_call(fn, args, kwargs, self.limits)
+        if fn is set:
+            out: Any = self._set(*args, **kwargs)
+        elif fn is dict:
+            out = self._dict(*args, **kwargs)
+        else:
+            out = fn(*args, **kwargs)
+        if isinstance(out, (enumerate, zip, reversed)):
+            out = list(self.iterate(out))
+        return self.sized(out)
+
+    def _set(self, *args: Any) -> set:
+        if len(args) > 1:
+            raise SandboxError(f"set() takes at most 1 argument, got {len(args)}")
+        return HashedBuilder(self.limits).set_of(self.iterate(args[0] if args else ()))
+
+    def _dict(self, *args: Any, **named: Any) -> dict:
+        if len(args) > 1:
+            raise SandboxError(f"dict() takes at most 1 positional argument, got {len(args)}")
+        source = args[0] if args else ()
+        pairs = source.items() if isinstance(source, dict) else self.iterate(source)
+        return HashedBuilder(self.limits).dict_of([*((k, v) for k, v in pairs), *named.items()])
+
     def _eval_Constant(self, node: ast.Constant, scope: dict) -> Any:
         return node.value
 
     def _eval_Name(self, node: ast.Name, scope: dict) -> Any:
-        return scope[node.id] if node.id in scope else self.names[node.id]
+        value = scope[node.id] if node.id in scope else self.names[node.id]
+        if not callable(value) or isinstance(value, _Function):
+            return value
+        if id(value) not in self.functions:
+            self.functions[id(value)] = _Function(value, self)
+        return self.functions[id(value)]
 
     def _eval_BinOp(self, node: ast.BinOp, scope: dict) -> Any:
-        left, right = self._eval(node.left, scope), self._eval(node.right, scope)
-        self._precheck(type(node.op), left, right)
+        left, right = self.eval(node.left, scope), self.eval(node.right, scope)
+        check_binop(type(node.op), left, right, self.limits)
         if isinstance(node.op, ast.Mod) and isinstance(left, str):
             raise SandboxError("%-formatting of strings is not allowed")
-        return _BINOPS[type(node.op)](left, right)
-
-    def _precheck(self, op: type, left: Any, right: Any) -> None:
-        """Refuse an operation whose result would break a size limit, before computing it."""
-        bits, items = self.limits.max_int_bits, self.limits.max_items
-        ints = all(isinstance(v, int) for v in (left, right))
-        # |left| ** right has at least right * (bit_length(left) - 1) bits
-        if op is ast.Pow and ints and right > 0 and right * (abs(left).bit_length() - 1) > bits:
-            raise SandboxError(f"{left} ** {right} refused: the result would exceed {bits} bits")
-        if op is ast.LShift and ints and right > bits:
-            raise SandboxError(f"{left} << {right} refused: the result would exceed {bits} bits")
-        if op is ast.Mult and ints and left.bit_length() + right.bit_length() > bits + 1:
-            raise SandboxError(f"a product of {left.bit_length()}- and {right.bit_length()}-bit integers "
-                               f"refused: the result would exceed {bits} bits")  # fmt: skip
-        if op is ast.Mult:
-            for seq, n in ((left, right), (right, left)):
-                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > items:
-                    raise SandboxError(
-                        f"repeating a {type(seq).__name__} {n} times refused: the limit is {items} items"
-                    )
-        if op is ast.Add and isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
-            if len(left) + len(right) > items:
-                raise SandboxError(
-                    f"a concatenation of {len(left) + len(right)} items refused: the limit is {items}"
-                )
+        out = _BINOPS[type(node.op)](left, right)
+        if isinstance(out, (set, frozenset, dict)):  # `a | b` hashes every key of both
+            check_hash_spread(out, self.limits)
+        return out
 
     def _eval_UnaryOp(self, node: ast.UnaryOp, scope: dict) -> Any:
-        return _UNARY[type(node.op)](self._eval(node.operand, scope))
+        return _UNARY[type(node.op)](self.eval(node.operand, scope))
 
     def _eval_BoolOp(self, node: ast.BoolOp, scope: dict) -> Any:
         value: Any = None
         for v in node.values:
-            value = self._eval(v, scope)
+            value = self.eval(v, scope)
             if isinstance(node.op, ast.And) != bool(value):
                 return value
         return value
 
     def _eval_Compare(self, node: ast.Compare, scope: dict) -> bool:
-        left = self._eval(node.left, scope)
+        left = self.eval(node.left, scope)
         for op, comp in zip(node.ops, node.comparators):
-            right = self._eval(comp, scope)
+            right = self.eval(comp, scope)
             if not _COMPARE[type(op)](left, right):
                 return False
             left = right
         return True
 
     def _eval_IfExp(self, node: ast.IfExp, scope: dict) -> Any:
-        return self._eval(node.body if self._eval(node.test, scope) else node.orelse, scope)
+        return self.eval(node.body if self.eval(node.test, scope) else node.orelse, scope)
 
     def _eval_Call(self, node: ast.Call, scope: dict) -> Any:
-        fn = self._eval(node.func, scope)
-        args = [self._eval(a, scope) for a in node.args]
-        kwargs = {k.arg: self._eval(k.value, scope) for k in node.keywords}
-        if fn is _range:
-            size = len(range(*args))  # OverflowError past sys.maxsize, reported as such
-            if size > self.limits.max_items:
-                raise SandboxError(f"a range of {size} items refused: the limit is {self.limits.max_items}")
-        if not callable(fn):
-            raise SandboxError(f"{node.func.id!r} is not a function")  # type: ignore[attr-defined]
-        out = fn(*args, **kwargs)
-        if isinstance(out, (enumerate, zip, reversed)):
-            out = list(self._iterate(out))
-        return out
+        fn = self.eval(node.func, scope)
+        args = [self.eval(a, scope) for a in node.args]
+        kwargs = {k.arg: self.eval(k.value, scope) for k in node.keywords}
+        if not isinstance(fn, _Function):
+            raise SandboxError(f"{ast.unparse(node.func)!r} is not a function")
+        return fn(*args, **kwargs)
 
     def _eval_Tuple(self, node: ast.Tuple, scope: dict) -> tuple:
-        return tuple(self._eval(e, scope) for e in node.elts)
+        return tuple(self.eval(e, scope) for e in node.elts)
 
     def _eval_List(self, node: ast.List, scope: dict) -> list:
-        return [self._eval(e, scope) for e in node.elts]
+        return [self.eval(e, scope) for e in node.elts]
 
     def _eval_Set(self, node: ast.Set, scope: dict) -> set:
-        return {self._eval(e, scope) for e in node.elts}
+        return HashedBuilder(self.limits).set_of(self.eval(e, scope) for e in node.elts)
 
     def _eval_Dict(self, node: ast.Dict, scope: dict) -> dict:
-        return {self._eval(k, scope): self._eval(v, scope) for k, v in zip(node.keys, node.values)}  # type: ignore[arg-type]
+        pairs: list[tuple[Any, Any]] = []
+        for key, value in zip(node.keys, node.values):
+            if key is not None:
+                pairs.append((self.eval(key, scope), self.eval(value, scope)))
+                continue
+            merged = self.eval(value, scope)  # `{**m}`: the pairs of the dict m
+            if not isinstance(merged, dict):
+                raise SandboxError(f"** in a dict display takes a dict, got {type(merged).__name__}")
+            pairs.extend(merged.items())
+        return HashedBuilder(self.limits).dict_of(pairs)
 
     def _eval_Subscript(self, node: ast.Subscript, scope: dict) -> Any:
-        return self._eval(node.value, scope)[self._eval(node.slice, scope)]
+        return self.eval(node.value, scope)[self.eval(node.slice, scope)]
 
     def _eval_Slice(self, node: ast.Slice, scope: dict) -> slice:
         parts = (node.lower, node.upper, node.step)
-        return slice(*(None if p is None else self._eval(p, scope) for p in parts))
+        return slice(*(None if p is None else self.eval(p, scope) for p in parts))
 
-    def _iterate(self, values: Iterable) -> Iterable:
+    def iterate(self, values: Iterable) -> Iterable:
         for v in values:
-            self._tick()  # every iteration counts, so a long loop hits the step limit
+            self.tick()  # every iteration counts, so a long loop hits the step limit
             yield v
 
     def _bindings(self, generators: list[ast.comprehension], scope: dict) -> Iterable[dict]:
@@ -378,10 +406,10 @@ class Sandbox:
             yield scope
             return
         first, rest = generators[0], generators[1:]
-        for value in self._iterate(self._eval(first.iter, scope)):
+        for value in self.iterate(self.eval(first.iter, scope)):
             inner = dict(scope)
             self._bind(first.target, value, inner)
-            if all(self._eval(cond, inner) for cond in first.ifs):
+            if all(self.eval(cond, inner) for cond in first.ifs):
                 yield from self._bindings(rest, inner)
 
     def _bind(self, target: ast.AST, value: Any, scope: dict) -> None:
@@ -408,16 +436,16 @@ class Sandbox:
         return out
 
     def _eval_ListComp(self, node: ast.ListComp, scope: dict) -> list:
-        return self._collect(self._eval(node.elt, s) for s in self._bindings(node.generators, scope))
+        return self._collect(self.eval(node.elt, s) for s in self._bindings(node.generators, scope))
 
     _eval_GeneratorExp = _eval_ListComp  # evaluated eagerly: its consumer gets a bounded list
 
     def _eval_SetComp(self, node: ast.SetComp, scope: dict) -> set:
-        return set(self._collect(self._eval(node.elt, s) for s in self._bindings(node.generators, scope)))
+        items = self._collect(self.eval(node.elt, s) for s in self._bindings(node.generators, scope))
+        return HashedBuilder(self.limits).set_of(items)
 
     def _eval_DictComp(self, node: ast.DictComp, scope: dict) -> dict:
         pairs = (
-            (self._eval(node.key, s), self._eval(node.value, s))
-            for s in self._bindings(node.generators, scope)
+            (self.eval(node.key, s), self.eval(node.value, s)) for s in self._bindings(node.generators, scope)
         )
-        return dict(self._collect(pairs))
+        return HashedBuilder(self.limits).dict_of(self._collect(pairs))

@@ -19,20 +19,23 @@ from typing import Any
 from ..conversation import Environment, Participant, Policy
 from ..tasks.base import TaskSource
 from ..trajectory import Message
-from .environment import ToolEnvironment
+from .environment import ToolEnvironment, check_isolation, start_workers
 from .parser import HermesParser, ToolCallParser
+from .pool import WorkerLimits
 from .render import tools_system_text
 from .tool import Tool, as_tools
 
 
 @dataclass(frozen=True, kw_only=True)
 class ToolOptions:
-    """How tools are offered: the call format, the per-conversation budget, the time limit."""
+    """How tools are offered: the call format, the per-conversation budget, limits, isolation."""
 
     parser: ToolCallParser = field(default_factory=HermesParser)
     max_calls: int = 4  # tool calls per conversation; later replies go to the task's environment
     tool_timeout_s: float | None = 10.0  # one call's limit; past it the policy reads an error
     max_result_chars: int = 2000
+    isolation: str = "process"  # where tools run: worker processes, or "thread" (see environment)
+    worker_limits: WorkerLimits = field(default_factory=WorkerLimits)  # for isolation="process"
 
 
 @dataclass(eq=False)
@@ -75,6 +78,7 @@ class ToolTask:
             wrapped[(i + 1) % n] = ToolEnvironment(
                 self.tools, env, policy=p.name, parser=o.parser, max_calls=o.max_calls,
                 tool_timeout_s=o.tool_timeout_s, max_result_chars=o.max_result_chars,
+                isolation=o.isolation, worker_limits=o.worker_limits,
             )  # fmt: skip
         return wrapped
 
@@ -96,6 +100,9 @@ class ToolTaskSource(TaskSource):
                 "tools wrap lineup tasks only"
             )
         self.source, self.tools, self.options, self.tokenizer = source, as_tools(tools), options, tokenizer
+        check_isolation(self.tools, options.isolation, "with_tools")
+        if options.isolation == "process":  # the workers import the tools while the trainer starts
+            start_workers(self.tools, options.worker_limits)
         self.name = f"{source.name}+tools"
         self.trained_seats, self.frozen_seats = source.trained_seats, source.frozen_seats
 
@@ -126,6 +133,7 @@ class ToolTaskSource(TaskSource):
             "tools": [t.name for t in self.tools],
             "max_calls": o.max_calls,
             "tool_timeout_s": o.tool_timeout_s,
+            "isolation": o.isolation,
         }
 
 
@@ -137,13 +145,19 @@ def with_tools(
     parser: ToolCallParser | None = None,
     max_calls: int = 4,
     tool_timeout_s: float | None = 10.0,
+    isolation: str = "process",
+    worker_limits: WorkerLimits | None = None,
 ) -> ToolTaskSource:
     """`source` with `tools` offered to its policy seats (what `--tools MODULE:FN,...` adds).
 
     `tokenizer`: whose chat template presents the tools (`tools=`); without one, or when its
-    template ignores tools, a plain-text preamble describes them.
+    template ignores tools, a plain-text preamble describes them. `isolation` and
+    `worker_limits`: where the tools run and under which limits (`ToolEnvironment`).
     """
     if max_calls < 1:
         raise ValueError(f"with_tools: max_calls must be >= 1, got {max_calls}")
-    options = ToolOptions(parser=parser or HermesParser(), max_calls=max_calls, tool_timeout_s=tool_timeout_s)
+    options = ToolOptions(
+        parser=parser or HermesParser(), max_calls=max_calls, tool_timeout_s=tool_timeout_s,
+        isolation=isolation, worker_limits=worker_limits or WorkerLimits(),
+    )  # fmt: skip
     return ToolTaskSource(source, tools, options, tokenizer)

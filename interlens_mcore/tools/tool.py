@@ -14,11 +14,20 @@ section describes each argument; its schema comes from them (transformers'
         return a + b
 
     tools = [as_tool(add)]   # or load_tools("mypkg.tools:add,mypkg.tools:mul")
+
+A tool runs in a worker process (`pool`), which imports it by its `reference`,
+`MODULE:QUALNAME`: so a tool defined at the top level of a module runs there, and one that is
+not importable that way (a closure, a lambda, a `functools.partial`, a function of the script
+being run, `__main__`) has no reference, and runs only in the trainer's process
+(`isolation="thread"`, see `environment`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import inspect
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +39,7 @@ class Tool:
 
     fn: Callable[..., Any]
     schema: dict[str, Any]
+    reference: str | None = None  # `MODULE:QUALNAME` a worker imports it by; None if not importable
 
     @property
     def name(self) -> str:
@@ -48,9 +58,29 @@ class Tool:
         return None
 
 
+def reference_of(fn: Callable[..., Any]) -> tuple[str | None, str]:
+    """(`MODULE:QUALNAME`, "") if importing that name gives `fn` back, else (None, why not)."""
+    if not (inspect.isfunction(fn) or inspect.isbuiltin(fn)):
+        return None, f"it is a {type(fn).__name__}, not a function"
+    module, qualname = fn.__module__, fn.__qualname__
+    if "<locals>" in qualname or qualname == "<lambda>":
+        return None, "it is a lambda or is defined inside a function"
+    if module == "__main__" or module not in sys.modules:
+        return None, f"it is defined in {module!r}, the script being run, not in an importable module"
+    obj: Any = sys.modules[module]
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    if obj is not fn:
+        return None, f"{module}:{qualname} names another object"
+    return f"{module}:{qualname}", ""
+
+
 def as_tool(fn: Callable[..., Any] | Tool) -> Tool:
-    """`fn` with its schema from its signature and docstring; a `Tool` is returned unchanged."""
+    """`fn` with its schema from its signature and docstring; a `Tool` as it is (with its
+    function's reference if it was made without one)."""
     if isinstance(fn, Tool):
+        if fn.reference is None:
+            return dataclasses.replace(fn, reference=reference_of(fn.fn)[0])
         return fn
     if not callable(fn):
         raise ValueError(f"a tool must be a function, got {type(fn).__name__}")
@@ -64,7 +94,7 @@ def as_tool(fn: Callable[..., Any] | Tool) -> Tool:
             f"tool {name!r}: no JSON schema from its signature and docstring ({exc}); give every "
             "argument a type hint and describe it in an 'Args:' section of the docstring"
         ) from exc
-    return Tool(fn=fn, schema=schema)
+    return Tool(fn=fn, schema=schema, reference=reference_of(fn)[0])
 
 
 def as_tools(tools: Sequence[Callable[..., Any] | Tool]) -> list[Tool]:
@@ -84,7 +114,7 @@ def as_tools(tools: Sequence[Callable[..., Any] | Tool]) -> list[Tool]:
 def load_tools(spec: str | Sequence[str]) -> list[Tool]:
     """Tools named `MODULE:FN[,MODULE:FN...]` (what `--tools` takes), imported and described."""
     items = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else [s.strip() for s in spec]
-    fns = []
+    tools: list[Tool] = []
     for item in items:
         module, sep, attr = item.partition(":")
         if not sep or not module or not attr:
@@ -92,7 +122,11 @@ def load_tools(spec: str | Sequence[str]) -> list[Tool]:
                 f"tool {item!r}: expected MODULE:FN (e.g. interlens_mcore.tools.examples:calculator)"
             )
         try:
-            fns.append(getattr(importlib.import_module(module), attr))
+            fn = getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError) as exc:
             raise ValueError(f"tool {item!r}: cannot import it ({exc})") from exc
-    return as_tools(fns)
+        tool = as_tool(fn)
+        if tool.reference is None and module != "__main__":  # a callable object, imported by this name
+            tool = dataclasses.replace(tool, reference=f"{module}:{attr}")
+        tools.append(tool)
+    return as_tools(tools)
