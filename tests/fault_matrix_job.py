@@ -31,6 +31,9 @@ from interlens_mcore.tasks import TaskSource  # noqa: E402
 from interlens_mcore.tools.environment import ToolEnvironment  # noqa: E402
 from interlens_mcore.tools.parser import ParsedCalls, ToolCall  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # fault_tools, for the tool workers too
+from fault_tools import lookup  # noqa: E402
+
 STAGES = ("env", "eval_env", "reward", "success", "tool", "scheduler")
 # a tool's failure is the policy's to read (an error line, counted), so that run goes on
 GOES_ON = ("tool",)
@@ -51,6 +54,7 @@ class Fault:
     phase: tuple[str, int] = ("train", 0)  # set by the task source: ("train" | "eval", step)
     fired_at: float | None = None
     fired: int = 0
+    tool_errors: int = 0  # error lines the policy read, as the ToolEnvironment counted them
 
     def hit(self, stage: str) -> None:
         kind, step = self.phase
@@ -74,6 +78,7 @@ class Judge(Environment):
     def respond(self, conv):
         self.fault.hit("env")
         self.fault.hit("eval_env")
+        self.fault.tool_errors += conv.infos.get("tool_errors", 0)
         conv.infos["success"] = float(any(c.isdigit() for c in conv.messages[-1].content))
         conv.request_stop("judged")
         return "thanks"
@@ -83,12 +88,21 @@ class Judge(Environment):
 
 
 class EveryReplyCalls:
-    """A parser that reads every reply as one call of `lookup` (the tiny policy writes no tags)."""
+    """A parser that reads every reply as one call of `lookup` (the tiny policy writes no tags);
+    where the fault strikes, the call asks the tool (in its worker process) to raise."""
 
     stop: tuple[str, ...] = ()
 
+    def __init__(self, fault: Fault):
+        self.fault = fault
+
     def parse(self, text: str) -> ParsedCalls:
-        return ParsedCalls(calls=(ToolCall(name="lookup", arguments={"query": text[:8]}),))
+        try:
+            self.fault.hit("tool")
+            fail = False
+        except InjectedFault:
+            fail = True
+        return ParsedCalls(calls=(ToolCall(name="lookup", arguments={"query": text[:8], "fail": fail}),))
 
 
 @dataclass(frozen=True)
@@ -104,17 +118,8 @@ class SayNumber:
         judge = Judge(self.fault)
         if not self.tools:
             return [seat("policy"), judge]
-
-        def lookup(query: str) -> str:
-            """Look a word up.
-
-            Args:
-                query: the word
-            """
-            self.fault.hit("tool")
-            return "found"
-
-        return [seat("policy"), ToolEnvironment([lookup], inner=judge, parser=EveryReplyCalls(), max_calls=1)]
+        parser = EveryReplyCalls(self.fault)
+        return [seat("policy"), ToolEnvironment([lookup], inner=judge, parser=parser, max_calls=1)]
 
 
 class Hooked(MultiTurnScheduler):
@@ -205,7 +210,8 @@ def run_case(backend, groups, tokenizer, fault: Fault, out: Path) -> dict:
         outcome = {"ended": "ran", "steps": [r["step"] for r in records]}
     except parallel.WorldFailure as exc:
         outcome = {"ended": "failed", "message": str(exc)}
-    return {**outcome, "ended_at": time.time(), "fired_at": fault.fired_at, "fired": fault.fired}
+    timing = {"ended_at": time.time(), "fired_at": fault.fired_at}
+    return {**outcome, **timing, "fired": fault.fired, "tool_errors": fault.tool_errors}
 
 
 def main() -> int:

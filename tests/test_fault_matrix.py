@@ -66,6 +66,8 @@ def test_every_injected_fault_ends_both_ranks_named_or_is_counted(tmp_path, layo
             # the policy read the tool's error and the run went on to its last step everywhere
             assert [r["ended"] for r in ranks] == ["ran", "ran"], name
             assert all(r["steps"] == list(range(STEPS)) for r in ranks), name
+            # each failed call was an error line the policy read, counted where it happened
+            assert [r["tool_errors"] for r in ranks] == [r["fired"] for r in ranks], name
             continue
         assert [r["ended"] for r in ranks] == ["failed", "failed"], name
         messages = {r["message"] for r in ranks}
