@@ -147,6 +147,15 @@ class _CoStep(Driver):
             "give them stop conditions (run_until, stop_when) or pass turns"
         )
 
+    def holds(self) -> list[str]:
+        return list(self.registry)
+
+    def unheld(self, engine: str, callers: list[int]) -> str:
+        return (
+            f"co_step: ranks {callers} generate with engine {engine!r}, which this rank does not "
+            "hold (it has no conversation that uses it); pass it in co_step(engines=...) on every rank"
+        )
+
     def call(self, calls: list[Call]) -> None:
         """Every aligned call, in key order; a failed one does not skip the later collectives."""
         errors = []
@@ -159,12 +168,7 @@ class _CoStep(Driver):
             raise errors[0]
 
     def _generate(self, call: Call) -> None:
-        engine = self.registry.get(call.engine)
-        if engine is None:
-            raise ValueError(
-                f"co_step: another rank generates with engine {call.engine!r}, which this rank "
-                "does not hold; pass it in co_step(engines=...)"
-            )
+        engine = self.registry[call.engine]  # every rank holds it: run_rounds checked the ballots
         rows = self.rows.get(call.key, [])
         results = generate_waves(engine, [r.request for r in rows], call, self.max_batch_size)
         # each conversation commits on its own: a failing hook fails only its conversation
