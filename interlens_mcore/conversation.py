@@ -10,6 +10,7 @@ the trainer unchanged.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -180,6 +181,7 @@ class Conversation:
         self._stop_requested: str | None = None
         self._state: dict[str, dict[str, Any]] = {}
         self.views: dict[str, View] = {}
+        self._stepping = False  # a co_step call holds it (see `claim`)
 
     # -- set-up -----------------------------------------------------------------------------
     def start(self, default_id: str = "conv0") -> None:
@@ -368,3 +370,27 @@ class Conversation:
             for p in self.policies()
             if p.trainable
         ]
+
+
+_CLAIMS = threading.Lock()  # claims are checked and taken at once, also across threads
+
+
+def claim(convs: Sequence[Conversation], where: str) -> list[Conversation]:
+    """Mark `convs` as being stepped by one call; a conversation another call is stepping is an
+    error (two calls would interleave its turns and views). Release with `release`."""
+    with _CLAIMS:
+        for i, c in enumerate(convs):
+            if c._stepping:
+                raise ValueError(
+                    f"{where}: conversation {c.id or f'convs[{i}]'!r} is already being stepped by another "
+                    "co_step call; a conversation can take part in one call at a time (await the first)"
+                )
+        for c in convs:
+            c._stepping = True
+    return list(convs)
+
+
+def release(convs: Sequence[Conversation]) -> None:
+    with _CLAIMS:
+        for c in convs:
+            c._stepping = False

@@ -17,7 +17,7 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .conversation import Conversation, Environment, Policy
+from .conversation import Conversation, Environment, Policy, claim, release
 from .engine import Engine, Generation, GenerationRequest
 from .limits import StepTimeout, await_limited, check_time_limit
 from .lockstep import (
@@ -203,7 +203,7 @@ def _fail(c: Conversation, exc: Exception) -> None:
     c.end(Status.FAILED, f"{type(exc).__name__}: {exc}")
 
 
-def _setup(convs, turns, max_batch_size, max_rounds, step_timeout_s, engines) -> dict[str, Engine]:
+def _check_args(convs, turns, max_batch_size, max_rounds, step_timeout_s) -> None:
     if turns is not None and (not isinstance(turns, int) or turns < 0):
         raise ValueError(f"co_step: turns must be an int >= 0 or None, got {turns!r}")
     if not isinstance(max_rounds, int) or isinstance(max_rounds, bool) or max_rounds < 1:
@@ -220,6 +220,10 @@ def _setup(convs, turns, max_batch_size, max_rounds, step_timeout_s, engines) ->
                 f"co_step: conversation {c.id or i!r} is passed twice (convs[{i}]); pass each once"
             )
         seen.add(id(c))
+
+
+def _start(convs: list[Conversation], engines: Sequence[Engine]) -> dict[str, Engine]:
+    for i, c in enumerate(convs):
         c.start(default_id=f"conv{i}")
     twice = sorted(k for k, n in Counter(c.id for c in convs).items() if n > 1)
     if twice:
@@ -247,16 +251,21 @@ async def co_step_async(
 ) -> list[Conversation]:
     """`co_step` for callers inside a running event loop (a notebook, an async server)."""
     convs = list(convs)
-    error, registry = None, {}
+    error, registry, claimed = None, {}, []
     try:
-        registry = _setup(convs, turns, max_batch_size, max_rounds, step_timeout_s, engines)
+        _check_args(convs, turns, max_batch_size, max_rounds, step_timeout_s)
+        claimed = claim(convs, "co_step")  # before `start`, which may change a claimed one
+        registry = _start(convs, engines)
     except Exception as exc:  # carried in the first vote, so every rank fails alike
         error, convs = exc, []
     driver = _CoStep(convs, turns, max_batch_size, group_seed, registry, step_timeout_s, max_rounds)
-    # with `turns`, every round takes a policy turn of every open conversation: no bound needed
-    await run_rounds(
-        driver, gather_fn=gather_fn, rank=rank, bound=max_rounds if turns is None else None, error=error
-    )
+    try:
+        # with `turns`, every round takes a policy turn of every open conversation: no bound needed
+        await run_rounds(
+            driver, gather_fn=gather_fn, rank=rank, bound=max_rounds if turns is None else None, error=error
+        )
+    finally:
+        release(claimed)
     return convs
 
 
@@ -278,7 +287,8 @@ def co_step(
     (engine, sampling settings, seat); the environment, tool and scripted turns in between
     run before it. With `turns`, conversations still running after their `turns` turns stay
     RUNNING: a later `co_step` continues them. Conversations are told apart by object (each
-    at most once per call) and by id (unique); engines by object, their names aligning calls
+    at most once per call, and in one call at a time: a conversation that another
+    `co_step_async` is stepping is refused) and by id (unique); engines by object, their names aligning calls
     across ranks (two different engines with one name are an error). A conversation whose
     prompt outgrows its engine's context, or whose turn is cut by it, ends alone with status
     TRUNCATED, its earlier turns kept.

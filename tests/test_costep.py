@@ -572,3 +572,37 @@ def test_control_text_in_a_message_is_text(tiny):
     # one control token pair per message only: the policy's turn and the environment's frame
     assert ids.count(eos) == 2 and ids.count(opener) == 2
     assert "<|im_end|>\n<|im_start|>assistant\nI win" in tok.decode(ids)
+
+
+def test_one_conversation_in_two_concurrent_calls_is_refused(tiny):
+    import asyncio
+
+    from interlens_mcore import RolloutError
+    from interlens_mcore.costep import co_step_async
+
+    _, tok = tiny
+
+    class Yielding(Environment):  # an async environment: the two calls would interleave at it
+        name = "env"
+
+        async def respond(self, conv):
+            await asyncio.sleep(0)
+            return "again"
+
+    pol = Policy("agent", Endless(), tok, SamplingParams(max_new_tokens=2))
+    c = Conversation([pol, Yielding()], run_until=MaxTurns(6), id="shared")
+    other = Conversation([pol, Yielding()], run_until=MaxTurns(6), id="other")
+
+    async def main():
+        return await asyncio.gather(co_step_async([c]), co_step_async([other, c]), return_exceptions=True)
+
+    first, second = asyncio.run(main())
+    # on main both were accepted: the turns of one conversation alternated between the calls
+    assert isinstance(second, RolloutError) and isinstance(second, ValueError)
+    assert "conversation 'shared' is already being stepped by another co_step call" in str(second)
+    assert first == [c] and c.turns_taken == 6 and c.status is Status.STOPPED
+    assert [m.speaker for m in c.messages] == ["agent", "env"] * 3
+    assert c.trajectories()[0].num_trained_tokens == 3 * 2  # three turns of two tokens, all its own
+    assert other.turns_taken == 0  # nothing of the refused call ran
+    co_step([other])  # the refused call held nothing, the finished one let go of its conversation
+    assert other.turns_taken == 6
