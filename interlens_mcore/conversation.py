@@ -126,6 +126,7 @@ class View:
 
     token_ids: list[int] = field(default_factory=list)
     own_turns: list[TurnTokens] = field(default_factory=list)  # its sampled, unedited turns
+    seen: int = 0  # tokens up to the end of its last turn: what its engine conditioned on or sampled
 
     def append(self, ids: list[int]) -> None:
         self.token_ids.extend(ids)
@@ -327,6 +328,7 @@ class Conversation:
             # the turn's span opens with the assistant opener (mask 0), then the sampled ids
             opener, start = p.chat.generation_prompt_ids(), len(view.token_ids)
             view.append(opener + list(m.token_ids))
+            view.seen = len(view.token_ids)
             mask = [0] * len(opener) + [1] * len(m.token_ids)
             view.own_turns.append(
                 TurnTokens(start=start, mask=mask, logprobs=m.logprobs, finish_reason=m.finish_reason)
@@ -336,6 +338,7 @@ class Conversation:
             closed = bool(m.token_ids) and m.token_ids[-1] in p.chat.stop_token_ids
             view.append(p.chat.close_ids("stop" if closed else "length"))
         elif m.speaker == p.name:  # edited or injected: rendered text, not sampled, never trained
+            view.seen = len(view.token_ids)  # the engine sampled ids that the view does not hold
             view.append(p.chat.message_ids("assistant", m.content))
         else:
             role = "user" if m.role == "assistant" else m.role
@@ -354,12 +357,23 @@ class Conversation:
             self._finish(status, reason)
 
     # -- output -----------------------------------------------------------------------------
+    def engine_view(self, policy: Policy) -> list[int]:
+        """The policy's view as its engine saw it: whole while the engine could still condition
+        on all of it (its next prompt leaves room in the context), else up to the end of its
+        last turn. A message that outgrew the context, or the closing tokens of a turn the
+        context cut, were never seen by the engine and must not reach the training forward
+        (which would also run past the context's positions)."""
+        view = self.views[policy.name]
+        if len(self.prompt_ids(policy)) < policy.engine.max_context:
+            return list(view.token_ids)
+        return view.token_ids[: view.seen]
+
     def trajectories(self) -> list[Trajectory]:
-        """One trajectory per trainable policy participant, in lineup order."""
+        """One trajectory per trainable policy participant, in lineup order (`engine_view`)."""
         infos = {"conversation": self.id, "turns": self.turns_taken, "stop_reason": self.stop_reason}
         return [
             assemble(
-                self.views[p.name].token_ids,
+                self.engine_view(p),
                 self.views[p.name].own_turns,
                 train=p.train_turns,
                 participant=p.name,

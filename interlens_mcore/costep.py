@@ -291,7 +291,8 @@ def co_step(
     `co_step_async` is stepping is refused) and by id (unique); engines by object, their names aligning calls
     across ranks (two different engines with one name are an error). A conversation whose
     prompt outgrows its engine's context, or whose turn is cut by it, ends alone with status
-    TRUNCATED, its earlier turns kept.
+    TRUNCATED, its earlier turns kept; its trajectories end where the engine's last sampled
+    token does (`Conversation.engine_view`).
 
     With a distributed `gather_fn` (`parallel.build_groups(...).gather_fn()`) the ranks vote
     before each round; a rank with nothing left joins every engine call with an empty batch

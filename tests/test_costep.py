@@ -606,3 +606,31 @@ def test_one_conversation_in_two_concurrent_calls_is_refused(tiny):
     assert other.turns_taken == 0  # nothing of the refused call ran
     co_step([other])  # the refused call held nothing, the finished one let go of its conversation
     assert other.turns_taken == 6
+
+
+@pytest.mark.parametrize(
+    ("tool_says", "max_new"),
+    [
+        (["ok"], 8),  # a turn cut by the context (its closing tokens would be past it)
+        (["a long tool output " * 6], 8),  # a tool message that overflows the context
+        (["ok"], 40),  # the tool message fits, the next turn's opener does not
+    ],
+)
+def test_a_truncated_trajectory_holds_only_what_the_engine_saw(tiny, tool_says, max_new):
+    _, tok = tiny
+    spy = Recording(Endless(name="small", max_context=60))
+    pol = Policy("agent", spy, tok, SamplingParams(max_new_tokens=max_new))
+    c = Conversation(
+        [pol, Scripted("tool", tool_says)], [Message(speaker="user", content="hi")], run_until=MaxTurns(20)
+    )
+    co_step([c])
+    assert c.status is Status.TRUNCATED
+    traj = c.trajectories()[0]
+    last = spy.calls[-1][0]  # the engine's last row: its prompt, then the ids it sampled
+    sampled = [m for m in c.messages if m.speaker == "agent"][-1].token_ids
+    # on main the trajectory went on past it: 62, 91 and 58 tokens (the tool message or the
+    # closing tokens of the cut turn, which the engine never conditioned on)
+    assert traj.token_ids == list(last.prompt_ids) + sampled
+    assert len(traj.token_ids) <= 60 and traj.turns[-1].end == len(traj.token_ids)
+    assert sum(traj.loss_mask) == sum(len(m.token_ids) for m in c.messages if m.speaker == "agent")
+    assert traj.logprobs_complete
