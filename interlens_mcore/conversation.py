@@ -177,7 +177,8 @@ class Conversation:
         for c in own:
             if not isinstance(c, StopCondition):
                 raise ValueError(f"conversation {self.id!r}: run_until holds {type(c).__name__}")
-        self._stop_sources = own
+        self._own_stops = own
+        self._stop_sources: list[StopCondition] = []  # the conditions cloned into _stops, as given
         self._stops: list[StopCondition] | None = None
         self._stop_requested: str | None = None
         self._state: dict[str, dict[str, Any]] = {}
@@ -187,18 +188,17 @@ class Conversation:
     # -- set-up -----------------------------------------------------------------------------
     def start(self, default_id: str = "conv0") -> None:
         """Name and seed it, clone the stop conditions (own + ambient, each once) and render
-        the opening views; a second call (a later chunk of turns) changes nothing."""
-        if self._stops is not None:
-            return
+        the opening views. A later call (a later chunk of turns) adds the ambient conditions
+        it has not seen yet: a `stop_when` around a later `co_step` holds from there on."""
+        if self._stops is None:
+            self._open(default_id)
+            self._add_stops(self._own_stops)
+        self._add_stops(ambient_conditions())
+
+    def _open(self, default_id: str) -> None:
         self.id = self.id or default_id
         if self.seed is None:
             self.seed = zlib.crc32(self.id.encode())
-        seen, stops = set(), []
-        for c in [*self._stop_sources, *ambient_conditions()]:
-            if id(c) not in seen:
-                seen.add(id(c))
-                stops.append(self._clone(c))
-        self._stops = stops
         for p in self.policies():
             view = View()
             opening = [{"role": "system", "content": p.system_prompt}] if p.system_prompt else []
@@ -206,6 +206,20 @@ class Conversation:
             if opening:
                 view.append(p.chat.conversation_ids(opening))
             self.views[p.name] = view
+
+    def _add_stops(self, conditions: Sequence[StopCondition]) -> None:
+        """Add a clone of each condition not added yet (conditions are told apart by object)."""
+        new: list[StopCondition] = []
+        for c in conditions:
+            if not any(c is s for s in [*self._stop_sources, *new]):
+                new.append(c)
+        clones = [self._clone(c) for c in new]  # all or none: a failed clone adds nothing
+        self._stop_sources += new
+        self._stops = [*(self._stops or []), *clones]
+        # one that already holds (MaxTurns(4) added after 6 turns) ends it before another turn
+        fired = [type(s).__name__ for s in clones if s.should_stop(self)]
+        if fired and not self.finished:
+            self._finish(Status.STOPPED, fired[0])
 
     def _clone(self, condition: StopCondition) -> StopCondition:
         try:

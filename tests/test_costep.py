@@ -634,3 +634,24 @@ def test_a_truncated_trajectory_holds_only_what_the_engine_saw(tiny, tool_says, 
     assert len(traj.token_ids) <= 60 and traj.turns[-1].end == len(traj.token_ids)
     assert sum(traj.loss_mask) == sum(len(m.token_ids) for m in c.messages if m.speaker == "agent")
     assert traj.logprobs_complete
+
+
+def test_a_stop_when_around_a_later_chunk_holds(tiny):
+    _, tok = tiny
+    pol = Policy("agent", Endless(), tok, SamplingParams(max_new_tokens=1))
+    convs = [Conversation([pol, Feedback(i)], run_until=MaxTurns(20), id=f"later{i}") for i in range(2)]
+    co_step(convs, turns=2)
+    with stop_when(MaxTurns(4)):
+        co_step(convs)
+    # on main the conversations had cloned their conditions in the first chunk: 20 turns
+    assert [(c.turns_taken, c.stop_reason) for c in convs] == [(4, "MaxTurns")] * 2
+    late = Conversation([pol, Feedback(0)], run_until=MaxTurns(20), id="late")
+    co_step([late], turns=6)
+    with stop_when(MaxTurns(4)):  # already past it: ends before another turn
+        co_step([late])
+    assert late.turns_taken == 6 and late.status is Status.STOPPED and late.stop_reason == "MaxTurns"
+    budget = Conversation([pol, Feedback(0)], run_until=MaxTurns(20), id="budget")
+    co_step([budget], turns=4)
+    with stop_when(TokenBudget(3)):  # counts the policy tokens from the chunk it joins
+        co_step([budget])
+    assert budget.turns_taken == 4 + 5 and budget.stop_reason == "TokenBudget"
