@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from typing import Any, Literal
 from .chat import ChatFormat
 from .engine import Engine, SamplingParams
 from .lockstep import check_temperature
+from .sampling import text_seed
 from .stop import StopCondition, ambient_conditions
 from .trajectory import Message, Status, TrainTurns, Trajectory, TurnTokens, assemble, check_train_turns
 
@@ -198,7 +198,7 @@ class Conversation:
     def _open(self, default_id: str) -> None:
         self.id = self.id or default_id
         if self.seed is None:
-            self.seed = zlib.crc32(self.id.encode())
+            self.seed = text_seed(self.id)
         for p in self.policies():
             view = View()
             opening = [{"role": "system", "content": p.system_prompt}] if p.system_prompt else []

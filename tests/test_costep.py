@@ -655,3 +655,19 @@ def test_a_stop_when_around_a_later_chunk_holds(tiny):
     with stop_when(TokenBudget(3)):  # counts the policy tokens from the chunk it joins
         co_step([budget])
     assert budget.turns_taken == 4 + 5 and budget.stop_reason == "TokenBudget"
+
+
+def test_ids_whose_crc32_collide_get_their_own_random_streams(engine, tiny):
+    import zlib
+
+    _, tok = tiny
+    ids = ("plumless", "buckeroo")
+    assert zlib.crc32(ids[0].encode()) == zlib.crc32(ids[1].encode())  # what seeded them on main
+    pol = Policy("agent", engine, tok, SamplingParams(temperature=1.0, max_new_tokens=12))
+    convs = [
+        Conversation([pol], [Message(speaker="user", content="hi")], run_until=MaxTurns(1), id=i) for i in ids
+    ]
+    co_step(convs)
+    assert convs[0].seed != convs[1].seed and all(0 <= c.seed < 2**64 for c in convs)
+    # on main both sampled the same 12 tokens
+    assert convs[0].messages[0].token_ids != convs[1].messages[0].token_ids
