@@ -20,8 +20,9 @@ class ChatFormat:
     A message's ids are those the template gives it inside a conversation, not at its start:
     what a template puts only before the first message (a default system block when the first
     message is not a system one, as SmolLM2's and Qwen2.5's templates do; a bos token) is
-    `preamble_ids(first_role)`, added once by whoever opens a conversation
-    (`conversation_ids` does both).
+    `preamble_ids(first_role)`, added once by whoever opens a conversation: `conversation_ids`
+    for opening messages; a `Conversation` view or a `MultiTurnRequest` with none before the
+    first message it appends (a policy's own turn opens it as "assistant").
     """
 
     tokenizer: Any  # a transformers tokenizer with a chat template

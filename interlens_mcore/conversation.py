@@ -257,7 +257,9 @@ class Conversation:
 
     def prompt_ids(self, policy: Policy) -> list[int]:
         """What the engine conditions on for this policy's next turn."""
-        return self.views[policy.name].token_ids + policy.chat.generation_prompt_ids()
+        # a view nothing opened yet (no system prompt, no prompt messages) opens with this turn
+        opened = self.views[policy.name].token_ids or policy.chat.preamble_ids("assistant")
+        return opened + policy.chat.generation_prompt_ids()
 
     # -- committing a turn ------------------------------------------------------------------
     def commit(self, speaker: Participant, message: Message | None, generated: int = 0) -> None:
@@ -338,6 +340,11 @@ class Conversation:
 
     def _append_to_view(self, p: Policy, m: Message) -> None:
         view = self.views[p.name]
+        role = "assistant" if m.speaker == p.name else "user" if m.role == "assistant" else m.role
+        if not view.token_ids:
+            # the first message of the view: what the template puts before a conversation's
+            # first message (a default system block) goes first, as `start` does for a prompt
+            view.append(p.chat.preamble_ids(role))
         if m.speaker == p.name and m.token_ids is not None and not m.edited:
             # the turn's span opens with the assistant opener (mask 0), then the sampled ids
             opener, start = p.chat.generation_prompt_ids(), len(view.token_ids)
@@ -355,7 +362,6 @@ class Conversation:
             view.seen = len(view.token_ids)  # the engine sampled ids that the view does not hold
             view.append(p.chat.message_ids("assistant", m.content))
         else:
-            role = "user" if m.role == "assistant" else m.role
             if self.seat_names == "prefix":
                 view.append(p.chat.message_ids(role, f"[{m.speaker}]: {m.content}"))
             else:

@@ -53,7 +53,10 @@ class MultiTurnRequest:
         """
         prefill = bool(messages) and messages[-1]["role"] == "assistant"
         head = messages[:-1] if prefill else messages
-        ids = chat.conversation_ids(head) + chat.generation_prompt_ids()
+        # with no message before it, the assistant's turn opens the conversation and gets the
+        # template's preamble (a default system block)
+        opening = chat.conversation_ids(head) if head else chat.preamble_ids("assistant")
+        ids = opening + chat.generation_prompt_ids()
         if prefill:
             ids += chat.encode_text(messages[-1]["content"])
         return cls(index=index, prompt_ids=ids, messages=[dict(m) for m in messages], data=data or {})

@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from _fakes import Endless, Feedback, Recording
+from _fakes import Endless, Feedback, Recording, Says
+from chat_utils import DEFAULT_SYSTEM, default_system_template
 
 from interlens_mcore import (
     Conversation,
@@ -671,3 +672,29 @@ def test_ids_whose_crc32_collide_get_their_own_random_streams(engine, tiny):
     assert convs[0].seed != convs[1].seed and all(0 <= c.seed < 2**64 for c in convs)
     # on main both sampled the same 12 tokens
     assert convs[0].messages[0].token_ids != convs[1].messages[0].token_ids
+
+
+@pytest.mark.parametrize("first", ["policy", "env"])
+def test_a_conversation_without_prompt_opens_with_the_templates_preamble(tiny, first):
+    _, tok = tiny
+    templated = default_system_template(tok)  # a default system block before a first non-system message
+    answer = templated.encode("42", add_special_tokens=False) + [templated.eos_token_id]
+    engine = Says(answer)
+    pol = Policy("agent", engine, templated, SamplingParams(max_new_tokens=4))
+    env = Scripted("env", ["go on"])
+    c = Conversation([pol, env] if first == "policy" else [env, pol], run_until=MaxTurns(2), id="bare")
+    co_step([c])
+    prompt = list(engine.calls[0][0].prompt_ids)
+    traj = c.trajectories()[0]
+    # on main neither the engine's prompt nor the trajectory held the block
+    assert templated.decode(prompt).count(DEFAULT_SYSTEM) == 1
+    assert (
+        traj.token_ids[: len(prompt)] == prompt
+        and templated.decode(traj.token_ids).count(DEFAULT_SYSTEM) == 1
+    )
+    # the view is the template's rendering of the transcript, token for token
+    transcript = [
+        {"role": "assistant" if m.speaker == "agent" else "user", "content": m.content} for m in c.messages
+    ]
+    rendered = templated.apply_chat_template(transcript, tokenize=False)
+    assert traj.token_ids == templated.encode(rendered, add_special_tokens=False)
