@@ -172,6 +172,8 @@ class Conversation:
             raise ValueError(
                 f"conversation {self.id!r}: seat_names must be one of {SEAT_NAMES}, got {self.seat_names!r}"
             )
+        if self.seat_names == "field":
+            self._check_name_field()
         own = self.run_until
         own = [] if own is None else [own] if isinstance(own, StopCondition) else list(own)
         for c in own:
@@ -184,6 +186,16 @@ class Conversation:
         self._state: dict[str, dict[str, Any]] = {}
         self.views: dict[str, View] = {}
         self._stepping = False  # a co_step call holds it (see `claim`)
+
+    def _check_name_field(self) -> None:
+        for p in self.policies():
+            if not p.chat.renders_names:
+                raise ValueError(
+                    f"conversation {self.id!r}: seat_names='field' puts each speaker's name in the chat "
+                    f"template's `name` field, but the template of policy {p.name!r} (tokenizer "
+                    f"{p.tokenizer.name_or_path!r}) does not render one and would drop the names; use "
+                    "seat_names='prefix' (a '[name]: ' prefix on the text) or 'anonymous'"
+                )
 
     # -- set-up -----------------------------------------------------------------------------
     def start(self, default_id: str = "conv0") -> None:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 from _fakes import Endless, Feedback, Recording, Says
-from chat_utils import DEFAULT_SYSTEM, default_system_template
+from chat_utils import DEFAULT_SYSTEM, default_system_template, named_template
 
 from interlens_mcore import (
     Conversation,
@@ -553,13 +553,25 @@ def test_co_step_async_runs_inside_an_event_loop(tiny):
 @pytest.mark.parametrize("mode", ["anonymous", "prefix", "field"])
 def test_other_seats_can_be_rendered_with_their_names(tiny, mode):
     _, tok = tiny
+    tok = named_template(tok) if mode == "field" else tok
     a = Policy("player_a", Endless(), tok, SamplingParams(max_new_tokens=1))
     b = Policy("player_b", a.engine, tok, SamplingParams(max_new_tokens=1))
     c = Conversation([a, b], run_until=MaxTurns(2), id="seats", seat_names=mode)
     co_step([c])
     text = tok.decode(c.trajectories()[0].token_ids)
-    # the tiny template has no `name` field: "field" renders as "anonymous" there
     assert ("[player_b]: " in text) == (mode == "prefix")
+    assert ("<|im_start|>user (player_b)\n" in text) == (mode == "field")
+
+
+def test_seat_names_field_needs_a_template_with_a_name_field(tiny):
+    _, tok = tiny  # the tiny template has no `name` field
+    a = Policy("player_a", Endless(), tok, SamplingParams(max_new_tokens=1))
+    b = Policy("player_b", a.engine, tok, SamplingParams(max_new_tokens=1))
+    # on main the names were dropped without a word: the seats read as anonymous
+    with pytest.raises(
+        ValueError, match=r"conversation 'seats': seat_names='field' .* policy 'player_a' \(tokenizer"
+    ):
+        Conversation([a, b], run_until=MaxTurns(2), id="seats", seat_names="field")
 
 
 def test_control_text_in_a_message_is_text(tiny):
