@@ -287,8 +287,8 @@ def co_step(
     (engine, sampling settings, seat); the environment, tool and scripted turns in between
     run before it. With `turns`, conversations still running after their `turns` turns stay
     RUNNING: a later `co_step` continues them. Conversations are told apart by object (each
-    at most once per call, and in one call at a time: a conversation that another
-    `co_step_async` is stepping is refused) and by id (unique); engines by object, their names aligning calls
+    at most once per call, and in one call at a time: one that another `co_step_async` is
+    stepping is refused) and by id (unique); engines by object, their names aligning calls
     across ranks (two different engines with one name are an error). A conversation whose
     prompt outgrows its engine's context, or whose turn is cut by it, ends alone with status
     TRUNCATED, its earlier turns kept; its trajectories end where the engine's last sampled
@@ -298,8 +298,10 @@ def co_step(
     before each round; a rank with nothing left joins every engine call with an empty batch
     while any rank works, and a failure on one rank raises the same RolloutError on all of
     them. `engines` names engines a rank must be able to join even if it holds no
-    conversation that uses them. A failure (a raising hook or environment, bad output) marks
-    its own conversation FAILED, naming it; the others keep the turns they made.
+    conversation that uses them; a call that some rank cannot join raises the same
+    `RolloutValueError` on every rank before the call. A failure (a raising hook or
+    environment, bad output) marks its own conversation FAILED, naming it; the others keep
+    the turns they made.
 
     `step_timeout_s` limits every environment / tool / scripted turn (an `Environment`'s own
     `timeout_s` wins). A turn past its limit ends that conversation with status TIMEOUT and
