@@ -7,6 +7,7 @@ from typing import Any
 
 _PROBE = "\x00probe\x00"
 _ANCHOR = "\x00anchor\x00"
+_NAME = "\x00seat\x00"
 
 
 @dataclass
@@ -20,14 +21,16 @@ class ChatFormat:
     A message's ids are those the template gives it inside a conversation, not at its start:
     what a template puts only before the first message (a default system block when the first
     message is not a system one, as SmolLM2's and Qwen2.5's templates do; a bos token) is
-    `preamble_ids(first_role)`, added once by whoever opens a conversation
-    (`conversation_ids` does both).
+    `preamble_ids(first_role)`, added once by whoever opens a conversation: `conversation_ids`
+    for opening messages; a `Conversation` view or a `MultiTurnRequest` with none before the
+    first message it appends (a policy's own turn opens it as "assistant").
     """
 
     tokenizer: Any  # a transformers tokenizer with a chat template
     _cache: dict[str, list[int]] = field(default_factory=dict, repr=False)
     _frames: dict[str, tuple[str, str] | None] = field(default_factory=dict, repr=False)
     _anchors: dict[str, str | None] = field(default_factory=dict, repr=False)
+    _names: bool | None = field(default=None, repr=False)  # renders_names, once probed
 
     def __post_init__(self) -> None:
         if not getattr(self.tokenizer, "chat_template", None):
@@ -111,7 +114,8 @@ class ChatFormat:
         """Token ids of one message inside a conversation; its content is text, never control.
 
         `name` (the speaker's seat) goes to the template's `name` field; a template that
-        ignores it renders the message as if it were absent.
+        ignores it (`renders_names` is False) renders the message as if it were absent, so
+        `Conversation(seat_names="field")` refuses such a template.
         """
         frame = self._frame(role) if name is None else None
         if frame is None:
@@ -125,6 +129,17 @@ class ChatFormat:
         if self._has_control_text(content):  # the frame is control, the content is text
             return self.encode(frame[0]) + self.encode_text(content) + self.encode(frame[1])
         return self.encode(frame[0] + content + frame[1])
+
+    @property
+    def renders_names(self) -> bool:
+        """Does the template render a message's `name` field (the speaker's seat)?"""
+        if self._names is None:
+            message = {"role": "user", "content": _PROBE, "name": _NAME}
+            try:
+                self._names = _NAME in self._render([message], False)
+            except Exception:  # a template that refuses the field does not render it either
+                self._names = False
+        return self._names
 
     def _frame(self, role: str) -> tuple[str, str] | None:
         """(text before, text after) the content, when the template inserts content verbatim.

@@ -10,7 +10,7 @@ the trainer unchanged.
 from __future__ import annotations
 
 import dataclasses
-import zlib
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +19,7 @@ from typing import Any, Literal
 from .chat import ChatFormat
 from .engine import Engine, SamplingParams
 from .lockstep import check_temperature
+from .sampling import text_seed
 from .stop import StopCondition, ambient_conditions
 from .trajectory import Message, Status, TrainTurns, Trajectory, TurnTokens, assemble, check_train_turns
 
@@ -125,6 +126,7 @@ class View:
 
     token_ids: list[int] = field(default_factory=list)
     own_turns: list[TurnTokens] = field(default_factory=list)  # its sampled, unedited turns
+    seen: int = 0  # tokens up to the end of its last turn: what its engine conditioned on or sampled
 
     def append(self, ids: list[int]) -> None:
         self.token_ids.extend(ids)
@@ -170,32 +172,45 @@ class Conversation:
             raise ValueError(
                 f"conversation {self.id!r}: seat_names must be one of {SEAT_NAMES}, got {self.seat_names!r}"
             )
+        if self.seat_names == "field":
+            self._check_name_field()
         own = self.run_until
         own = [] if own is None else [own] if isinstance(own, StopCondition) else list(own)
         for c in own:
             if not isinstance(c, StopCondition):
                 raise ValueError(f"conversation {self.id!r}: run_until holds {type(c).__name__}")
-        self._stop_sources = own
+        self._own_stops = own
+        self._stop_sources: list[StopCondition] = []  # the conditions cloned into _stops, as given
         self._stops: list[StopCondition] | None = None
         self._stop_requested: str | None = None
         self._state: dict[str, dict[str, Any]] = {}
         self.views: dict[str, View] = {}
+        self._stepping = False  # a co_step call holds it (see `claim`)
+
+    def _check_name_field(self) -> None:
+        for p in self.policies():
+            if not p.chat.renders_names:
+                raise ValueError(
+                    f"conversation {self.id!r}: seat_names='field' puts each speaker's name in the chat "
+                    f"template's `name` field, but the template of policy {p.name!r} (tokenizer "
+                    f"{p.tokenizer.name_or_path!r}) does not render one and would drop the names; use "
+                    "seat_names='prefix' (a '[name]: ' prefix on the text) or 'anonymous'"
+                )
 
     # -- set-up -----------------------------------------------------------------------------
     def start(self, default_id: str = "conv0") -> None:
         """Name and seed it, clone the stop conditions (own + ambient, each once) and render
-        the opening views; a second call (a later chunk of turns) changes nothing."""
-        if self._stops is not None:
-            return
+        the opening views. A later call (a later chunk of turns) adds the ambient conditions
+        it has not seen yet: a `stop_when` around a later `co_step` holds from there on."""
+        if self._stops is None:
+            self._open(default_id)
+            self._add_stops(self._own_stops)
+        self._add_stops(ambient_conditions())
+
+    def _open(self, default_id: str) -> None:
         self.id = self.id or default_id
         if self.seed is None:
-            self.seed = zlib.crc32(self.id.encode())
-        seen, stops = set(), []
-        for c in [*self._stop_sources, *ambient_conditions()]:
-            if id(c) not in seen:
-                seen.add(id(c))
-                stops.append(self._clone(c))
-        self._stops = stops
+            self.seed = text_seed(self.id)
         for p in self.policies():
             view = View()
             opening = [{"role": "system", "content": p.system_prompt}] if p.system_prompt else []
@@ -203,6 +218,20 @@ class Conversation:
             if opening:
                 view.append(p.chat.conversation_ids(opening))
             self.views[p.name] = view
+
+    def _add_stops(self, conditions: Sequence[StopCondition]) -> None:
+        """Add a clone of each condition not added yet (conditions are told apart by object)."""
+        new: list[StopCondition] = []
+        for c in conditions:
+            if not any(c is s for s in [*self._stop_sources, *new]):
+                new.append(c)
+        clones = [self._clone(c) for c in new]  # all or none: a failed clone adds nothing
+        self._stop_sources += new
+        self._stops = [*(self._stops or []), *clones]
+        # one that already holds (MaxTurns(4) added after 6 turns) ends it before another turn
+        fired = [type(s).__name__ for s in clones if s.should_stop(self)]
+        if fired and not self.finished:
+            self._finish(Status.STOPPED, fired[0])
 
     def _clone(self, condition: StopCondition) -> StopCondition:
         try:
@@ -240,7 +269,9 @@ class Conversation:
 
     def prompt_ids(self, policy: Policy) -> list[int]:
         """What the engine conditions on for this policy's next turn."""
-        return self.views[policy.name].token_ids + policy.chat.generation_prompt_ids()
+        # a view nothing opened yet (no system prompt, no prompt messages) opens with this turn
+        opened = self.views[policy.name].token_ids or policy.chat.preamble_ids("assistant")
+        return opened + policy.chat.generation_prompt_ids()
 
     # -- committing a turn ------------------------------------------------------------------
     def commit(self, speaker: Participant, message: Message | None, generated: int = 0) -> None:
@@ -321,10 +352,16 @@ class Conversation:
 
     def _append_to_view(self, p: Policy, m: Message) -> None:
         view = self.views[p.name]
+        role = "assistant" if m.speaker == p.name else "user" if m.role == "assistant" else m.role
+        if not view.token_ids:
+            # the first message of the view: what the template puts before a conversation's
+            # first message (a default system block) goes first, as `start` does for a prompt
+            view.append(p.chat.preamble_ids(role))
         if m.speaker == p.name and m.token_ids is not None and not m.edited:
             # the turn's span opens with the assistant opener (mask 0), then the sampled ids
             opener, start = p.chat.generation_prompt_ids(), len(view.token_ids)
             view.append(opener + list(m.token_ids))
+            view.seen = len(view.token_ids)
             mask = [0] * len(opener) + [1] * len(m.token_ids)
             view.own_turns.append(
                 TurnTokens(start=start, mask=mask, logprobs=m.logprobs, finish_reason=m.finish_reason)
@@ -334,9 +371,9 @@ class Conversation:
             closed = bool(m.token_ids) and m.token_ids[-1] in p.chat.stop_token_ids
             view.append(p.chat.close_ids("stop" if closed else "length"))
         elif m.speaker == p.name:  # edited or injected: rendered text, not sampled, never trained
+            view.seen = len(view.token_ids)  # the engine sampled ids that the view does not hold
             view.append(p.chat.message_ids("assistant", m.content))
         else:
-            role = "user" if m.role == "assistant" else m.role
             if self.seat_names == "prefix":
                 view.append(p.chat.message_ids(role, f"[{m.speaker}]: {m.content}"))
             else:
@@ -352,12 +389,23 @@ class Conversation:
             self._finish(status, reason)
 
     # -- output -----------------------------------------------------------------------------
+    def engine_view(self, policy: Policy) -> list[int]:
+        """The policy's view as its engine saw it: whole while the engine could still condition
+        on all of it (its next prompt leaves room in the context), else up to the end of its
+        last turn. A message that outgrew the context, or the closing tokens of a turn the
+        context cut, were never seen by the engine and must not reach the training forward
+        (which would also run past the context's positions)."""
+        view = self.views[policy.name]
+        if len(self.prompt_ids(policy)) < policy.engine.max_context:
+            return list(view.token_ids)
+        return view.token_ids[: view.seen]
+
     def trajectories(self) -> list[Trajectory]:
-        """One trajectory per trainable policy participant, in lineup order."""
+        """One trajectory per trainable policy participant, in lineup order (`engine_view`)."""
         infos = {"conversation": self.id, "turns": self.turns_taken, "stop_reason": self.stop_reason}
         return [
             assemble(
-                self.views[p.name].token_ids,
+                self.engine_view(p),
                 self.views[p.name].own_turns,
                 train=p.train_turns,
                 participant=p.name,
@@ -368,3 +416,27 @@ class Conversation:
             for p in self.policies()
             if p.trainable
         ]
+
+
+_CLAIMS = threading.Lock()  # claims are checked and taken at once, also across threads
+
+
+def claim(convs: Sequence[Conversation], where: str) -> list[Conversation]:
+    """Mark `convs` as being stepped by one call; a conversation another call is stepping is an
+    error (two calls would interleave its turns and views). Release with `release`."""
+    with _CLAIMS:
+        for i, c in enumerate(convs):
+            if c._stepping:
+                raise ValueError(
+                    f"{where}: conversation {c.id or f'convs[{i}]'!r} is already being stepped by another "
+                    "co_step call; a conversation can take part in one call at a time (await the first)"
+                )
+        for c in convs:
+            c._stepping = True
+    return list(convs)
+
+
+def release(convs: Sequence[Conversation]) -> None:
+    with _CLAIMS:
+        for c in convs:
+            c._stepping = False

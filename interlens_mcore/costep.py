@@ -17,7 +17,7 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .conversation import Conversation, Environment, Policy
+from .conversation import Conversation, Environment, Policy, claim, release
 from .engine import Engine, Generation, GenerationRequest
 from .limits import StepTimeout, await_limited, check_time_limit
 from .lockstep import (
@@ -147,6 +147,15 @@ class _CoStep(Driver):
             "give them stop conditions (run_until, stop_when) or pass turns"
         )
 
+    def holds(self) -> list[str]:
+        return list(self.registry)
+
+    def unheld(self, engine: str, callers: list[int]) -> str:
+        return (
+            f"co_step: ranks {callers} generate with engine {engine!r}, which this rank does not "
+            "hold (it has no conversation that uses it); pass it in co_step(engines=...) on every rank"
+        )
+
     def call(self, calls: list[Call]) -> None:
         """Every aligned call, in key order; a failed one does not skip the later collectives."""
         errors = []
@@ -159,12 +168,7 @@ class _CoStep(Driver):
             raise errors[0]
 
     def _generate(self, call: Call) -> None:
-        engine = self.registry.get(call.engine)
-        if engine is None:
-            raise ValueError(
-                f"co_step: another rank generates with engine {call.engine!r}, which this rank "
-                "does not hold; pass it in co_step(engines=...)"
-            )
+        engine = self.registry[call.engine]  # every rank holds it: run_rounds checked the ballots
         rows = self.rows.get(call.key, [])
         results = generate_waves(engine, [r.request for r in rows], call, self.max_batch_size)
         # each conversation commits on its own: a failing hook fails only its conversation
@@ -199,7 +203,7 @@ def _fail(c: Conversation, exc: Exception) -> None:
     c.end(Status.FAILED, f"{type(exc).__name__}: {exc}")
 
 
-def _setup(convs, turns, max_batch_size, max_rounds, step_timeout_s, engines) -> dict[str, Engine]:
+def _check_args(convs, turns, max_batch_size, max_rounds, step_timeout_s) -> None:
     if turns is not None and (not isinstance(turns, int) or turns < 0):
         raise ValueError(f"co_step: turns must be an int >= 0 or None, got {turns!r}")
     if not isinstance(max_rounds, int) or isinstance(max_rounds, bool) or max_rounds < 1:
@@ -216,6 +220,10 @@ def _setup(convs, turns, max_batch_size, max_rounds, step_timeout_s, engines) ->
                 f"co_step: conversation {c.id or i!r} is passed twice (convs[{i}]); pass each once"
             )
         seen.add(id(c))
+
+
+def _start(convs: list[Conversation], engines: Sequence[Engine]) -> dict[str, Engine]:
+    for i, c in enumerate(convs):
         c.start(default_id=f"conv{i}")
     twice = sorted(k for k, n in Counter(c.id for c in convs).items() if n > 1)
     if twice:
@@ -243,16 +251,21 @@ async def co_step_async(
 ) -> list[Conversation]:
     """`co_step` for callers inside a running event loop (a notebook, an async server)."""
     convs = list(convs)
-    error, registry = None, {}
+    error, registry, claimed = None, {}, []
     try:
-        registry = _setup(convs, turns, max_batch_size, max_rounds, step_timeout_s, engines)
+        _check_args(convs, turns, max_batch_size, max_rounds, step_timeout_s)
+        claimed = claim(convs, "co_step")  # before `start`, which may change a claimed one
+        registry = _start(convs, engines)
     except Exception as exc:  # carried in the first vote, so every rank fails alike
         error, convs = exc, []
     driver = _CoStep(convs, turns, max_batch_size, group_seed, registry, step_timeout_s, max_rounds)
-    # with `turns`, every round takes a policy turn of every open conversation: no bound needed
-    await run_rounds(
-        driver, gather_fn=gather_fn, rank=rank, bound=max_rounds if turns is None else None, error=error
-    )
+    try:
+        # with `turns`, every round takes a policy turn of every open conversation: no bound needed
+        await run_rounds(
+            driver, gather_fn=gather_fn, rank=rank, bound=max_rounds if turns is None else None, error=error
+        )
+    finally:
+        release(claimed)
     return convs
 
 
@@ -274,17 +287,21 @@ def co_step(
     (engine, sampling settings, seat); the environment, tool and scripted turns in between
     run before it. With `turns`, conversations still running after their `turns` turns stay
     RUNNING: a later `co_step` continues them. Conversations are told apart by object (each
-    at most once per call) and by id (unique); engines by object, their names aligning calls
+    at most once per call, and in one call at a time: one that another `co_step_async` is
+    stepping is refused) and by id (unique); engines by object, their names aligning calls
     across ranks (two different engines with one name are an error). A conversation whose
     prompt outgrows its engine's context, or whose turn is cut by it, ends alone with status
-    TRUNCATED, its earlier turns kept.
+    TRUNCATED, its earlier turns kept; its trajectories end where the engine's last sampled
+    token does (`Conversation.engine_view`).
 
     With a distributed `gather_fn` (`parallel.build_groups(...).gather_fn()`) the ranks vote
     before each round; a rank with nothing left joins every engine call with an empty batch
     while any rank works, and a failure on one rank raises the same RolloutError on all of
     them. `engines` names engines a rank must be able to join even if it holds no
-    conversation that uses them. A failure (a raising hook or environment, bad output) marks
-    its own conversation FAILED, naming it; the others keep the turns they made.
+    conversation that uses them; a call that some rank cannot join raises the same
+    `RolloutValueError` on every rank before the call. A failure (a raising hook or
+    environment, bad output) marks its own conversation FAILED, naming it; the others keep
+    the turns they made.
 
     `step_timeout_s` limits every environment / tool / scripted turn (an `Environment`'s own
     `timeout_s` wins). A turn past its limit ends that conversation with status TIMEOUT and

@@ -7,7 +7,9 @@ Every round has three parts, in the same order on every rank of the rollout grou
    may await I/O), each call under its time limit. One item's failure marks that item and is
    kept for the vote; the other items carry on;
 2. the vote (`vote.cast_vote`): is any rank still working, did any rank fail (then every rank
-   raises the same `RolloutError`), and which engine calls each rank needs, with how many rows;
+   raises the same `RolloutError`), which engine calls each rank needs, with how many rows,
+   and which engines it holds: a call that some rank cannot join is refused on every rank
+   before any of them enters it (a colocated engine would wait for the missing rank forever);
 3. the engine calls: every rank makes the same calls in the same order (sorted by keys that
    are equal on every rank), an idle rank with no rows, because a colocated engine's forward
    is a collective.
@@ -29,14 +31,14 @@ import asyncio
 import hashlib
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
 from .engine import Engine, Generation, GenerationRequest
-from .vote import Ballot, GatherFn, cast_vote
+from .vote import Ballot, GatherFn, RolloutValueError, cast_vote
 
 T = TypeVar("T")
 
@@ -80,6 +82,14 @@ class Driver(ABC):
 
     def over_bound(self, rounds: int) -> Exception:
         return RuntimeError(f"rollout still running after {rounds} rounds")
+
+    def holds(self) -> Collection[str] | None:
+        """Names of the engines this rank can call; None: it can make every call."""
+        return None
+
+    def unheld(self, engine: str, callers: list[int]) -> str:
+        """Why this rank cannot join `engine`'s call, which ranks `callers` need."""
+        return f"ranks {callers} generate with engine {engine!r}, which this rank does not hold"
 
 
 def generate_waves(
@@ -148,7 +158,11 @@ async def run_rounds(
                 needs = await driver.local()
             except Exception as exc:
                 error = exc
-        payload = {"needs": {k: (n.engine, n.rows) for k, n in needs.items()}}
+        held = driver.holds()
+        payload = {
+            "needs": {k: (n.engine, n.rows) for k, n in needs.items()},
+            "holds": None if held is None else sorted(held),
+        }
         ballots = cast_vote(
             gather_fn, rank=rank, active=bool(needs) and error is None, error=error, payload=payload
         )
@@ -156,11 +170,32 @@ async def run_rounds(
             return rounds
         if bound is not None and rounds >= bound:  # every rank sees the same ballots: all raise
             raise driver.over_bound(bound)
+        calls = aligned(ballots)
+        check_held(calls, ballots, driver)
         try:
-            driver.call(aligned(ballots))
+            driver.call(calls)
         except Exception as exc:
             error = exc
         rounds += 1
+
+
+def check_held(calls: list[Call], ballots: Sequence[Ballot], driver: Driver) -> None:
+    """Raise the same RolloutValueError on every rank if a rank cannot join one of `calls`.
+
+    Every rank sees the same ballots, so every rank raises here, before any engine call: a rank
+    that found out inside the round would leave the others waiting in the engine's collective
+    until the vote timed out.
+    """
+    failures = []
+    for b in ballots:
+        held = b.payload.get("holds")
+        lacking = [c for c in calls if held is not None and c.engine not in held]
+        if lacking:
+            call = lacking[0]
+            callers = [o.rank for o, n in zip(ballots, call.rows, strict=True) if n]
+            failures.append((b.rank, f"ValueError: {driver.unheld(call.engine, callers)}"))
+    if failures:
+        raise RolloutValueError(failures)
 
 
 async def settle(

@@ -118,6 +118,9 @@ def _apply_step(slot: _Slot, result: Any, run: _Run, turn: int) -> None:
 def _freeze(slot: _Slot, turn: int, status: Status) -> None:
     """End the request: its last response is its final turn, every sampled token trained."""
     ids = slot.choice.token_ids
+    if slot.choice.truncated and not ids:  # its prompt did not fit: the engine saw none of it
+        spans = slot.output.spans
+        slot.output.seen = spans[-1][1] if spans else 0
     slot.output.add_turn(
         slot.request, list(ids), [1] * len(ids), slot.choice.logprobs, slot.choice, slot.continuing
     )

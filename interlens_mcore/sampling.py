@@ -21,6 +21,7 @@ filters, as in vLLM, and report the logprob under the penalised logits at temper
 from __future__ import annotations
 
 import functools
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -54,6 +55,17 @@ def splitmix64(z: torch.Tensor) -> torch.Tensor:
     z = (z ^ _shr(z, 30)) * _MIX1
     z = (z ^ _shr(z, 27)) * _MIX2
     return z ^ _shr(z, 31)
+
+
+def text_seed(text: str) -> int:
+    """A 64-bit seed from text (e.g. a conversation id), the same in every process.
+
+    blake2b, not crc32: with 32 bits, ids such as "plumless" and "buckeroo" share a seed (and
+    sample the same tokens); `mix_seed` folds all 64 bits in.
+    """
+    return int.from_bytes(
+        hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "big"
+    )
 
 
 def mix_seed(*parts: int) -> int:

@@ -53,7 +53,10 @@ class MultiTurnRequest:
         """
         prefill = bool(messages) and messages[-1]["role"] == "assistant"
         head = messages[:-1] if prefill else messages
-        ids = chat.conversation_ids(head) + chat.generation_prompt_ids()
+        # with no message before it, the assistant's turn opens the conversation and gets the
+        # template's preamble (a default system block)
+        opening = chat.conversation_ids(head) if head else chat.preamble_ids("assistant")
+        ids = opening + chat.generation_prompt_ids()
         if prefill:
             ids += chat.encode_text(messages[-1]["content"])
         return cls(index=index, prompt_ids=ids, messages=[dict(m) for m in messages], data=data or {})
@@ -88,6 +91,9 @@ class RolloutOutput:
     spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each response
     turn_finish_reasons: list[str] = field(default_factory=list)
     train_turns: TrainTurns = "all"  # which turns to_trajectory trains (ms-swift's loss_scale)
+    # tokens the engine saw, set when the last request did not fit the context (TRUNCATED): what
+    # its prompt gained since the turn before was never conditioned on
+    seen: int | None = None
 
     @property
     def num_turns(self) -> int:
@@ -153,6 +159,9 @@ class RolloutOutput:
                 strict=True,
             )
         ]
+        if self.seen is not None:  # nothing past what the engine saw (it would not fit the context)
+            ids = ids[: self.seen]
+            turns = [_clamped(t, self.seen) for t in turns]
         return assemble(
             ids,
             turns,
@@ -294,6 +303,14 @@ class MultiTurnScheduler(ABC):
         messages[-1]["content"] += text
         prompt = request.prompt_ids + list(ids) + extra
         return dataclasses.replace(request, prompt_ids=prompt, messages=messages, response=response)
+
+
+def _clamped(turn: TurnTokens, end: int) -> TurnTokens:
+    """`turn` without its tokens at or past `end` (only context ids, mask 0, are ever cut)."""
+    start = min(turn.start, end)
+    mask = turn.mask[: end - start]
+    assert sum(mask) == sum(turn.mask), "a sampled token lies past what the engine saw"
+    return dataclasses.replace(turn, start=start, mask=mask)
 
 
 def _response(request, choice, ids, mask) -> tuple[list[int], tuple[list[int], list[int]] | None]:

@@ -131,10 +131,14 @@ class AnyOf(StopCondition):
 
 @contextlib.contextmanager
 def stop_when(*conditions: StopCondition) -> Iterator[None]:
-    """Install ambient stop conditions for rollouts started inside the block.
+    """Install ambient stop conditions for the conversations `co_step` steps inside the block.
 
     Each conversation receives its own clone of each; a condition that is also in a
-    conversation's own `run_until` (the same object) is counted once.
+    conversation's own `run_until` (the same object) is counted once. A conversation continued
+    by a later chunk (`co_step(convs, turns=2)` again) gets the conditions it has not had yet,
+    from then on: a `TokenBudget` counts the tokens after it, `MaxTurns` every turn, and one
+    that already holds ends the conversation before its next turn. A condition stays with a
+    conversation once it has it.
     """
     for c in conditions:
         if not isinstance(c, StopCondition):

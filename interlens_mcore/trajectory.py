@@ -1,7 +1,8 @@
 """Token-space data model: messages, turn spans and trajectories.
 
 A trajectory is one participant's view of one conversation, exactly as the engine saw it:
-sampled ids are kept verbatim, every other message was rendered once when it was appended.
+sampled ids are kept verbatim, every other message was rendered once when it was appended, and
+nothing the engine could not condition on (a message or closing tokens past its context) is in it.
 """
 
 from __future__ import annotations

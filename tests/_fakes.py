@@ -43,3 +43,21 @@ class Endless:
             )
             for r in requests
         ]
+
+
+class Says:
+    """A fake engine that answers every row with the same ids, ending at a stop (the test is
+    about what surrounds a turn, not what is in it)."""
+
+    def __init__(self, token_ids: list[int], name: str = "says", max_context: int = 10_000):
+        self.token_ids, self.name, self.max_context = list(token_ids), name, max_context
+        self.calls: list[list] = []
+
+    def generate(self, requests):
+        self.calls.append(list(requests))
+        return [
+            Generation(
+                token_ids=list(self.token_ids), logprobs=[-1.0] * len(self.token_ids), finish_reason="stop"
+            )
+            for _ in requests
+        ]

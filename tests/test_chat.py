@@ -3,6 +3,7 @@
 import copy
 
 import pytest
+from chat_utils import DEFAULT_SYSTEM, default_system_template, named_template
 
 from interlens_mcore.chat import ChatFormat
 
@@ -67,11 +68,7 @@ def test_control_text_in_content_is_rendered_as_text(tiny):
 
 def test_a_speakers_name_goes_to_the_templates_name_field(tiny):
     _, tok = tiny
-    named = copy.deepcopy(tok)
-    named.chat_template = tok.chat_template.replace(
-        "{{ m['role'] }}", "{{ m['role'] }}{{ ' (' ~ m.name ~ ')' if m.name is defined else '' }}"
-    )
-    chat = ChatFormat(named)
+    chat = ChatFormat(named_template(tok))
     assert (
         tok.decode(chat.message_ids("user", "hi", name="player_b"))
         == "<|im_start|>user (player_b)\nhi<|im_end|>\n"
@@ -79,28 +76,10 @@ def test_a_speakers_name_goes_to_the_templates_name_field(tiny):
     assert chat.message_ids("user", "hi") == ChatFormat(tok).message_ids("user", "hi")
 
 
-DEFAULT_SYSTEM = "You are a careful assistant."
-
-
-def _default_system_template(tok):
-    """The tiny template plus a default system block before a first message that is not one
-    (as SmolLM2's and Qwen2.5's templates do)."""
-    opening = (
-        "{% if loop.first and messages[0]['role'] != 'system' %}"
-        "<|im_start|>system\n" + DEFAULT_SYSTEM + "<|im_end|>\n{% endif %}"
-    )
-    templated = copy.deepcopy(tok)
-    templated.chat_template = tok.chat_template.replace(
-        "{% for m in messages %}", "{% for m in messages %}" + opening
-    )
-    assert templated.chat_template != tok.chat_template
-    return templated
-
-
 @pytest.mark.parametrize("first", ["user", "system"])
 def test_a_default_system_block_opens_the_conversation_once(tiny, first):
     _, tok = tiny
-    templated = _default_system_template(tok)
+    templated = default_system_template(tok)
     chat = ChatFormat(templated)
     messages = [
         {"role": first, "content": "rules"},
@@ -122,9 +101,28 @@ def test_a_multi_turn_view_holds_the_default_system_block_once(tiny):
     from interlens_mcore.scheduler import MultiTurnRequest
 
     _, tok = tiny
-    templated = _default_system_template(tok)
+    templated = default_system_template(tok)
     chat = ChatFormat(templated)
     messages = [{"role": "user", "content": "Guess my number."}]
     request = MultiTurnRequest.from_messages(chat, messages, index=0)
     expected = templated.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert request.prompt_ids == templated.encode(expected, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("messages", [[], [{"role": "assistant", "content": "4"}]])
+def test_a_request_with_no_message_before_the_reply_opens_with_the_preamble(tiny, messages):
+    """An empty opening, or a prefill alone: the assistant's turn opens the conversation."""
+    from interlens_mcore.scheduler import MultiTurnRequest
+
+    _, tok = tiny
+    templated = default_system_template(tok)
+    chat = ChatFormat(templated)
+    request = MultiTurnRequest.from_messages(chat, messages, index=0)
+    sampled = templated.encode("2", add_special_tokens=False) + [templated.eos_token_id]
+    whole = request.prompt_ids + sampled + chat.close_ids("stop")
+    reply = [{"role": "assistant", "content": (messages[0]["content"] if messages else "") + "2"}]
+    # on main the block was missing: the trained sequence was not the template's rendering
+    assert whole == templated.encode(
+        templated.apply_chat_template(reply, tokenize=False), add_special_tokens=False
+    )
+    assert templated.decode(request.prompt_ids).count(DEFAULT_SYSTEM) == 1

@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from _fakes import Endless, Feedback, Recording
+from _fakes import Endless, Feedback, Recording, Says
+from chat_utils import DEFAULT_SYSTEM, default_system_template, named_template
 
 from interlens_mcore import (
     Conversation,
@@ -552,13 +553,25 @@ def test_co_step_async_runs_inside_an_event_loop(tiny):
 @pytest.mark.parametrize("mode", ["anonymous", "prefix", "field"])
 def test_other_seats_can_be_rendered_with_their_names(tiny, mode):
     _, tok = tiny
+    tok = named_template(tok) if mode == "field" else tok
     a = Policy("player_a", Endless(), tok, SamplingParams(max_new_tokens=1))
     b = Policy("player_b", a.engine, tok, SamplingParams(max_new_tokens=1))
     c = Conversation([a, b], run_until=MaxTurns(2), id="seats", seat_names=mode)
     co_step([c])
     text = tok.decode(c.trajectories()[0].token_ids)
-    # the tiny template has no `name` field: "field" renders as "anonymous" there
     assert ("[player_b]: " in text) == (mode == "prefix")
+    assert ("<|im_start|>user (player_b)\n" in text) == (mode == "field")
+
+
+def test_seat_names_field_needs_a_template_with_a_name_field(tiny):
+    _, tok = tiny  # the tiny template has no `name` field
+    a = Policy("player_a", Endless(), tok, SamplingParams(max_new_tokens=1))
+    b = Policy("player_b", a.engine, tok, SamplingParams(max_new_tokens=1))
+    # on main the names were dropped without a word: the seats read as anonymous
+    with pytest.raises(
+        ValueError, match=r"conversation 'seats': seat_names='field' .* policy 'player_a' \(tokenizer"
+    ):
+        Conversation([a, b], run_until=MaxTurns(2), id="seats", seat_names="field")
 
 
 def test_control_text_in_a_message_is_text(tiny):
@@ -572,3 +585,128 @@ def test_control_text_in_a_message_is_text(tiny):
     # one control token pair per message only: the policy's turn and the environment's frame
     assert ids.count(eos) == 2 and ids.count(opener) == 2
     assert "<|im_end|>\n<|im_start|>assistant\nI win" in tok.decode(ids)
+
+
+def test_one_conversation_in_two_concurrent_calls_is_refused(tiny):
+    import asyncio
+
+    from interlens_mcore import RolloutError
+    from interlens_mcore.costep import co_step_async
+
+    _, tok = tiny
+
+    class Yielding(Environment):  # an async environment: the two calls would interleave at it
+        name = "env"
+
+        async def respond(self, conv):
+            await asyncio.sleep(0)
+            return "again"
+
+    pol = Policy("agent", Endless(), tok, SamplingParams(max_new_tokens=2))
+    c = Conversation([pol, Yielding()], run_until=MaxTurns(6), id="shared")
+    other = Conversation([pol, Yielding()], run_until=MaxTurns(6), id="other")
+
+    async def main():
+        return await asyncio.gather(co_step_async([c]), co_step_async([other, c]), return_exceptions=True)
+
+    first, second = asyncio.run(main())
+    # on main both were accepted: the turns of one conversation alternated between the calls
+    assert isinstance(second, RolloutError) and isinstance(second, ValueError)
+    assert "conversation 'shared' is already being stepped by another co_step call" in str(second)
+    assert first == [c] and c.turns_taken == 6 and c.status is Status.STOPPED
+    assert [m.speaker for m in c.messages] == ["agent", "env"] * 3
+    assert c.trajectories()[0].num_trained_tokens == 3 * 2  # three turns of two tokens, all its own
+    assert other.turns_taken == 0  # nothing of the refused call ran
+    co_step([other])  # the refused call held nothing, the finished one let go of its conversation
+    assert other.turns_taken == 6
+
+
+@pytest.mark.parametrize(
+    ("tool_says", "max_new"),
+    [
+        (["ok"], 8),  # a turn cut by the context (its closing tokens would be past it)
+        (["a long tool output " * 6], 8),  # a tool message that overflows the context
+        (["ok"], 40),  # the tool message fits, the next turn's opener does not
+    ],
+)
+def test_a_truncated_trajectory_holds_only_what_the_engine_saw(tiny, tool_says, max_new):
+    _, tok = tiny
+    spy = Recording(Endless(name="small", max_context=60))
+    pol = Policy("agent", spy, tok, SamplingParams(max_new_tokens=max_new))
+    c = Conversation(
+        [pol, Scripted("tool", tool_says)], [Message(speaker="user", content="hi")], run_until=MaxTurns(20)
+    )
+    co_step([c])
+    assert c.status is Status.TRUNCATED
+    traj = c.trajectories()[0]
+    last = spy.calls[-1][0]  # the engine's last row: its prompt, then the ids it sampled
+    sampled = [m for m in c.messages if m.speaker == "agent"][-1].token_ids
+    # on main the trajectory went on past it: 62, 91 and 58 tokens (the tool message or the
+    # closing tokens of the cut turn, which the engine never conditioned on)
+    assert traj.token_ids == list(last.prompt_ids) + sampled
+    assert len(traj.token_ids) <= 60 and traj.turns[-1].end == len(traj.token_ids)
+    assert sum(traj.loss_mask) == sum(len(m.token_ids) for m in c.messages if m.speaker == "agent")
+    assert traj.logprobs_complete
+
+
+def test_a_stop_when_around_a_later_chunk_holds(tiny):
+    _, tok = tiny
+    pol = Policy("agent", Endless(), tok, SamplingParams(max_new_tokens=1))
+    convs = [Conversation([pol, Feedback(i)], run_until=MaxTurns(20), id=f"later{i}") for i in range(2)]
+    co_step(convs, turns=2)
+    with stop_when(MaxTurns(4)):
+        co_step(convs)
+    # on main the conversations had cloned their conditions in the first chunk: 20 turns
+    assert [(c.turns_taken, c.stop_reason) for c in convs] == [(4, "MaxTurns")] * 2
+    late = Conversation([pol, Feedback(0)], run_until=MaxTurns(20), id="late")
+    co_step([late], turns=6)
+    with stop_when(MaxTurns(4)):  # already past it: ends before another turn
+        co_step([late])
+    assert late.turns_taken == 6 and late.status is Status.STOPPED and late.stop_reason == "MaxTurns"
+    budget = Conversation([pol, Feedback(0)], run_until=MaxTurns(20), id="budget")
+    co_step([budget], turns=4)
+    with stop_when(TokenBudget(3)):  # counts the policy tokens from the chunk it joins
+        co_step([budget])
+    assert budget.turns_taken == 4 + 5 and budget.stop_reason == "TokenBudget"
+
+
+def test_ids_whose_crc32_collide_get_their_own_random_streams(engine, tiny):
+    import zlib
+
+    _, tok = tiny
+    ids = ("plumless", "buckeroo")
+    assert zlib.crc32(ids[0].encode()) == zlib.crc32(ids[1].encode())  # what seeded them on main
+    pol = Policy("agent", engine, tok, SamplingParams(temperature=1.0, max_new_tokens=12))
+    convs = [
+        Conversation([pol], [Message(speaker="user", content="hi")], run_until=MaxTurns(1), id=i) for i in ids
+    ]
+    co_step(convs)
+    assert convs[0].seed != convs[1].seed and all(0 <= c.seed < 2**64 for c in convs)
+    # on main both sampled the same 12 tokens
+    assert convs[0].messages[0].token_ids != convs[1].messages[0].token_ids
+
+
+@pytest.mark.parametrize("first", ["policy", "env"])
+def test_a_conversation_without_prompt_opens_with_the_templates_preamble(tiny, first):
+    _, tok = tiny
+    templated = default_system_template(tok)  # a default system block before a first non-system message
+    answer = templated.encode("42", add_special_tokens=False) + [templated.eos_token_id]
+    engine = Says(answer)
+    pol = Policy("agent", engine, templated, SamplingParams(max_new_tokens=4))
+    env = Scripted("env", ["go on"])
+    c = Conversation([pol, env] if first == "policy" else [env, pol], run_until=MaxTurns(2), id="bare")
+    co_step([c])
+    prompt = list(engine.calls[0][0].prompt_ids)
+    traj = c.trajectories()[0]
+    # on main neither the engine's prompt nor the trajectory held the block
+    assert templated.decode(prompt).count(DEFAULT_SYSTEM) == 1
+    assert (
+        traj.token_ids[: len(prompt)] == prompt
+        and templated.decode(traj.token_ids).count(DEFAULT_SYSTEM) == 1
+    )
+    # the view is the template's rendering of the transcript, token for token
+    transcript = [
+        {"role": "assistant" if m.speaker == "agent" else "user", "content": m.content} for m in c.messages
+    ]
+    rendered = templated.apply_chat_template(transcript, tokenize=False)
+    assert traj.token_ids == templated.encode(rendered, add_special_tokens=False)

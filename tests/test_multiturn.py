@@ -551,3 +551,32 @@ def test_a_request_that_outgrows_the_context_ends_alone(tiny, chat):
     too_long = outs[2]  # no room for a single token: ends at once, nothing sampled
     assert too_long.status is Status.TRUNCATED and too_long.num_turns == 1
     assert too_long.response_token_ids == [[]] and too_long.to_trajectory().num_trained_tokens == 0
+
+
+@pytest.mark.parametrize(
+    ("tool_says", "max_new"),
+    [("a long tool output " * 6, 8), ("ok", 8), ("ok", 40)],  # the last prompt outgrew the context
+)
+def test_a_truncated_trajectory_holds_only_what_the_engine_saw(chat, tool_says, max_new):
+    from _fakes import Endless, Recording
+
+    spy = Recording(Endless(name="small", max_context=60))
+    rollout = EngineRollout(spy, chat, seed=1)
+    cfg = SamplingParams(max_new_tokens=max_new)
+    requests = [MultiTurnRequest.from_messages(chat, [{"role": "user", "content": "hi"}], index=0)]
+    first = rollout(requests, cfg)
+    out = run_multi_turn(
+        requests, first, KeepGoing(chat, lambda text: tool_says), rollout, cfg, max_turns=20
+    )[0]
+    assert out.status is Status.TRUNCATED
+    traj = out.to_trajectory()
+    last = [call for call in spy.calls if call][-1][0]  # the engine's last row
+    # on main the trajectory went on with what the last prompt gained (94, 69, 61 tokens)
+    assert traj.token_ids[: len(last.prompt_ids)] == list(last.prompt_ids)
+    assert len(traj.token_ids) == len(last.prompt_ids) + last.max_new_tokens <= 60
+    assert traj.token_ids[-last.max_new_tokens :] == [7] * last.max_new_tokens  # what it sampled
+    assert traj.num_trained_tokens == sum(map(sum, out.response_loss_mask)) and traj.logprobs_complete
+    # a first prompt the context cannot hold: the engine saw nothing, the trajectory is empty
+    huge = MultiTurnRequest.from_messages(chat, [{"role": "user", "content": "word " * 80}], index=1)
+    alone = run_multi_turn([huge], rollout([huge], cfg), KeepGoing(chat, tool), rollout, cfg, max_turns=2)[0]
+    assert alone.status is Status.TRUNCATED and alone.to_trajectory().token_ids == []

@@ -209,3 +209,32 @@ def test_run_multi_turn_failure_on_one_rank_fails_both(tiny_path):
     (s0, msg0, _), (s1, msg1, _) = run_ranks(_uneven_multi_turn, 2, str(tiny_path), 1, timeout=120)
     assert s0 == s1 == "error" and msg0 == msg1
     assert "rank 1: ConnectionError: calculator unreachable" in msg0
+
+
+def _idle_rank_without_engines(rank, world, tiny_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from interlens_mcore import HFEngine, RolloutError, co_step, parallel
+
+    tok = AutoTokenizer.from_pretrained(tiny_path)
+    groups = parallel.build_groups(rollout="world", vote_timeout_s=60)
+    # a collective engine: every forward is an all-reduce over both ranks, as MegatronEngine's
+    engine = HFEngine(AutoModelForCausalLM.from_pretrained(tiny_path), tok, sync_group=groups.rollout)
+    convs = _guess_convs(engine, tok, rank, {0: 4}) if rank == 0 else []  # rank 1: nothing, no engines=
+    try:
+        co_step(convs, turns=None, gather_fn=groups.gather_fn(), rank=groups.rollout_rank)
+    except RolloutError as exc:
+        return type(exc).__name__, str(exc), exc.failures, [c.turns_taken for c in convs]
+    return "no error", "", [], [c.turns_taken for c in convs]
+
+
+def test_an_idle_rank_without_the_engine_fails_every_rank_before_the_engine_call(tiny_path):
+    # on main rank 1 raised inside the round while rank 0 waited in the engine's all-reduce:
+    # both hung until the vote's timeout, then failed with gloo errors
+    (cls0, msg0, f0, turns0), (cls1, msg1, f1, _) = run_ranks(
+        _idle_rank_without_engines, 2, str(tiny_path), timeout=150
+    )
+    assert cls0 == cls1 == "RolloutValueError" and msg0 == msg1 and f0 == f1
+    assert [r for r, _ in f0] == [1]
+    assert "ranks [0] generate with engine 'policy'" in msg0 and "co_step(engines=...)" in msg0
+    assert turns0 == [0, 0, 0]  # refused before the first engine call
