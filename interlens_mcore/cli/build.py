@@ -12,11 +12,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from cli import Args, UsageError, flagify
-
-from interlens_mcore import parallel
+from interlens_mcore import distributed
+from interlens_mcore.cli.args import Args, UsageError, flagify
+from interlens_mcore.grpo.rewards import environment_reward, reward_name
 from interlens_mcore.plugins import load_object
-from interlens_mcore.rewards import environment_reward, reward_name
 from interlens_mcore.tasks import TaskSource, resolve_task
 from trainers import rundir
 
@@ -31,7 +30,7 @@ def model_folder(args: Args) -> Path:
     from interlens_mcore.assets import ensure_default_policy
 
     if args.backend.model == "smollm2":
-        from interlens_mcore.assets_smollm2 import AssetUnavailable, ensure_smollm2
+        from interlens_mcore.assets import AssetUnavailable, ensure_smollm2
 
         try:
             return ensure_smollm2()
@@ -115,7 +114,7 @@ def check(args: Args) -> TaskSource:
     """Every check that needs no process group; returns the task source."""
     b, t, r = args.backend, args.trainer, args.rollout
     try:
-        parallel.check_layout(tp=b.tp, pp=b.pp, cp=b.cp, world=world_size())
+        distributed.check_layout(tp=b.tp, pp=b.pp, cp=b.cp, world=world_size())
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if t.batch_size % r.num_generations:
@@ -156,7 +155,7 @@ def check(args: Args) -> TaskSource:
 
 def run_info(args: Args, source: TaskSource) -> dict[str, Any]:
     """What run.json holds: the trainer's description of the run and the launch options."""
-    from interlens_mcore.rewards import WeightedRewards
+    from interlens_mcore.grpo.rewards import WeightedRewards
     from trainers.grpo import describe_run
 
     fns, weights = reward_fns(args)

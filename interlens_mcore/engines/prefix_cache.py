@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .engine import HFEngine
+from .hf import HFEngine
 
 
 @dataclass

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from .engine import GenerationRequest
+    from .base import GenerationRequest
 
 _MASK64 = (1 << 64) - 1
 

@@ -29,7 +29,7 @@ After every optimizer step, on every rank that holds a vLLM (weight_sync.py):
   lockstep, unlike `HFEngine` under ZeRO-3.
 - Anything else: `engine.update_weights(hf_tensors(model))`.
 
-The GRPO trainer does all of this with `--engine vllm` (`trainers.backend.ColocatedVLLM`): it
+The GRPO trainer does all of this with `--engine vllm` (`trainers.backends.colocated_vllm`): it
 syncs once after each rollout's optimizer steps and records the time as `weight_sync_s`.
 
 Example (each rank, after `torch.distributed` is initialised by torchrun)::
@@ -50,8 +50,8 @@ from typing import Any
 
 import torch
 
-from . import parallel
-from .engine import EngineStats, Generation, GenerationRequest, check_context
+from .. import distributed
+from .base import EngineStats, Generation, GenerationRequest, check_context
 from .weight_sync import SyncReport, counted
 
 
@@ -127,8 +127,8 @@ class VLLMEngine:
         # update_weights hands the worker an iterator of tensors: the engine core must be here
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         tp = config.tensor_parallel_size
-        if config.colocated and tp > 1 and (group is None or parallel.world_size(group) != tp):
-            size = None if group is None else parallel.world_size(group)
+        if config.colocated and tp > 1 and (group is None or distributed.world_size(group) != tp):
+            size = None if group is None else distributed.world_size(group)
             raise ValueError(
                 f"VLLMConfig.tensor_parallel_size={tp} colocated needs group= the {tp} ranks of this "
                 f"vLLM's TP group (they must run the same rows), got a group of {size} ranks"
@@ -137,11 +137,11 @@ class VLLMEngine:
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
         mine = list(requests)
-        synced = self.group is not None and parallel.world_size(self.group) > 1
+        synced = self.group is not None and distributed.world_size(self.group) > 1
         if synced:  # every rank of vLLM's TP group must run the same batch
-            per_rank = parallel.all_gather_object(mine, self.group)
+            per_rank = distributed.all_gather_object(mine, self.group)
             union = [r for rank_rows in per_rank for r in rank_rows]
-            offset = sum(len(x) for x in per_rank[: parallel.rank(self.group)])
+            offset = sum(len(x) for x in per_rank[: distributed.rank(self.group)])
         else:
             union, offset = mine, 0
         if not union:

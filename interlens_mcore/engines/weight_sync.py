@@ -45,7 +45,7 @@ def megatron_hf_tensors(model: torch.nn.Module, layout) -> Iterator[tuple[str, t
     layout: the model's `megatron.ModelLayout`. Every rank of the TP group gets every full
     tensor (vLLM under the same TP then keeps its own slice).
     """
-    from .megatron.convert import gather_hf_state_dict
+    from ..megatron.convert import gather_hf_state_dict
 
     yield from gather_hf_state_dict(model, layout).items()
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from interlens_mcore.trajectory import Trajectory
+from interlens_mcore.types import Trajectory
 
 
 def group_advantages(

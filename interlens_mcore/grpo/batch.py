@@ -14,12 +14,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from itertools import chain
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from interlens_mcore.trajectory import Trajectory
+from interlens_mcore.types import Trajectory
 
 Layout = Literal["packed", "padded"]
 LAYOUTS = ("packed", "padded")
@@ -326,3 +326,9 @@ def _pad(columns: dict, flat: _Flat, multiple: int) -> dict[str, np.ndarray]:
         grid[slots] = values
         out[name] = grid.reshape(n, width)
     return out
+
+
+def pad_id(tokenizer: Any) -> int:
+    """The id batches are padded with: the tokenizer's pad token, else its eos token."""
+    pad = tokenizer.pad_token_id
+    return int(pad if pad is not None else tokenizer.eos_token_id)

@@ -1,4 +1,4 @@
-"""Per-token logprobs of the targets from logits, full-vocabulary or vocab-parallel.
+"""Per-token logprobs of the targets from logits, full-vocabulary or vocab-distributed.
 
 Both divide the logits by the sampling temperature first, so the trainer scores a token under
 the same distribution the engine sampled it from (rollout logprobs are temperature-scaled).
@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from interlens_mcore import parallel
+from interlens_mcore import distributed
 
 
 def _check(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> None:
@@ -67,7 +67,7 @@ def vocab_parallel_token_logprobs(
     # The full vocabulary is the union of the shards. Every rank holds the same targets and
     # gets the same size back, so every rank raises together and no collective is left waiting.
     width = torch.tensor([shard], dtype=torch.int64, device=x.device)
-    vocab = int(parallel.all_reduce(width, "sum", group).item())
+    vocab = int(distributed.all_reduce(width, "sum", group).item())
     if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab):
         raise ValueError(
             f"targets must lie in [0, {vocab}) (the vocabulary of the {shard}-column shards), "
@@ -75,9 +75,9 @@ def vocab_parallel_token_logprobs(
         )
     # The max is only a shift for a stable exp; logsumexp does not depend on it, so no gradient.
     shift = x.detach().amax(dim=-1)  # [...]
-    parallel.all_reduce(shift, "max", group)
+    distributed.all_reduce(shift, "max", group)
     sum_exp = torch.exp(x - shift.unsqueeze(-1)).sum(dim=-1)  # [...]
-    sum_exp = parallel.all_reduce_replicated(sum_exp, group)
+    sum_exp = distributed.all_reduce_replicated(sum_exp, group)
 
     local = targets.long() - vocab_start  # [...]
     owned = (local >= 0) & (local < shard)
@@ -85,5 +85,5 @@ def vocab_parallel_token_logprobs(
     # multiplication) then drops that value, so a non-finite logit elsewhere cannot leak in.
     picked = torch.gather(x, -1, local.clamp(0, shard - 1).unsqueeze(-1)).squeeze(-1)  # [...]
     picked = torch.where(owned, picked, torch.zeros_like(picked))
-    picked = parallel.all_reduce_replicated(picked, group)
+    picked = distributed.all_reduce_replicated(picked, group)
     return picked - shift - torch.log(sum_exp)

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from numbers import Real
 from typing import Any, Protocol
 
-from .trajectory import Status, Trajectory
+from ..types import Status, Trajectory
 
 
 class RewardFn(Protocol):

@@ -16,11 +16,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .chat import ChatFormat
-from .engine import Engine, SamplingParams
-from .lockstep import check_temperature
+from ..chat import ChatFormat
+from ..engines.base import Engine, SamplingParams, check_temperature
+from ..types import Message, Status, TrainTurns, Trajectory, TurnTokens, assemble, check_train_turns
 from .stop import StopCondition, ambient_conditions
-from .trajectory import Message, Status, TrainTurns, Trajectory, TurnTokens, assemble, check_train_turns
 
 Hook = Callable[["Conversation", Message], "Message | None"]
 

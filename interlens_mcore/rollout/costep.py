@@ -17,10 +17,12 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..engines.base import Engine, Generation, GenerationRequest
+from ..engines.sampler import mix_seed
+from ..types import Message, Status
 from .conversation import Conversation, Environment, Policy
-from .engine import Engine, Generation, GenerationRequest
 from .limits import StepTimeout, await_limited, check_time_limit
-from .lockstep import (
+from .round import (
     Call,
     Driver,
     Need,
@@ -33,8 +35,6 @@ from .lockstep import (
     run_rounds,
     settle,
 )
-from .sampling import mix_seed
-from .trajectory import Message, Status
 from .vote import GatherFn, local_gather
 
 DEFAULT_MAX_ROUNDS = 1000
@@ -279,7 +279,7 @@ def co_step(
     prompt outgrows its engine's context, or whose turn is cut by it, ends alone with status
     TRUNCATED, its earlier turns kept.
 
-    With a distributed `gather_fn` (`parallel.build_groups(...).gather_fn()`) the ranks vote
+    With a distributed `gather_fn` (`distributed.build_groups(...).gather_fn()`) the ranks vote
     before each round; a rank with nothing left joins every engine call with an empty batch
     while any rank works, and a failure on one rank raises the same RolloutError on all of
     them. `engines` names engines a rank must be able to join even if it holds no

@@ -26,11 +26,12 @@ from collections.abc import Sequence
 from functools import cached_property
 from typing import Any
 
-from .engine import Engine
+from ..engines.base import Engine
+from ..grpo.batch import pad_id
+from ..grpo.rewards import WeightedRewards, environment_reward
+from ..types import Trajectory
 from .multiturn import MultiTurnScheduler
-from .rewards import WeightedRewards, environment_reward
-from .rollout import Rollout, RolloutConfig, Rollouter, micro_batches, rollout_advantages
-from .trajectory import Trajectory
+from .rollouter import Rollout, RolloutConfig, Rollouter, micro_batches, rollout_advantages
 
 __all__ = ["Rollout", "RolloutConfig", "RolloutMixin"]
 
@@ -101,8 +102,3 @@ class RolloutMixin:
             pad_to_multiple=self.pad_to_multiple,
             pad_id=pad_id(self.tokenizer),
         )
-
-
-def pad_id(tokenizer: Any) -> int:
-    pad = tokenizer.pad_token_id
-    return int(pad if pad is not None else tokenizer.eos_token_id)

@@ -1,6 +1,6 @@
 """The multi-turn driver: `run_multi_turn` steps a rank's requests through a scheduler.
 
-Each round (the lockstep round of lockstep.py, shared with `co_step`) it checks the engine's
+Each round (the lockstep round of round.py, shared with `co_step`) it checks the engine's
 answers, runs the scheduler's hooks and steps under the step time limit, records every turn in
 token space, and votes with the other ranks on whether another engine call is needed. The
 scheduler-facing types (`MultiTurnRequest`, `ResponseChoice`, `RolloutOutput`,
@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..types import Status, TrainTurns, check_train_turns
 from .limits import StepTimeout, await_limited, call_limited, check_time_limit
-from .lockstep import Call, Driver, Need, each, no_running_loop, raise_first, run_rounds, settle
 from .results import (
     STEP_KEYS,
     TURN_END_KEYS,
@@ -28,6 +28,7 @@ from .results import (
     step_result,
     turn_end_result,
 )
+from .round import Call, Driver, Need, each, no_running_loop, raise_first, run_rounds, settle
 from .scheduler import (
     EngineRollout,
     MultiTurnError,
@@ -39,7 +40,6 @@ from .scheduler import (
     RolloutOutput,
     ToolScheduler,
 )
-from .trajectory import Status, TrainTurns, check_train_turns
 from .vote import GatherFn, RolloutError, local_gather
 
 __all__ = [

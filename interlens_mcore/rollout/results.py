@@ -13,10 +13,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..types import validate_tokens
 from .limits import maybe_await
-from .lockstep import no_running_loop
+from .round import no_running_loop
 from .scheduler import MultiTurnRequest, MultiTurnScheduler, ResponseChoice
-from .trajectory import validate_tokens
 
 STEP_KEYS = ("infer_request", "response_token_ids", "response_loss_mask", "rollout_logprobs", "rollout_infos")
 TURN_END_KEYS = ("done", "rollout_infos")

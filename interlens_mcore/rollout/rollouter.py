@@ -21,16 +21,16 @@ from typing import Any, Literal
 
 import torch
 
-from .advantages import group_advantages
-from .batch import TrainingBatch, build_batch
+from ..engines.base import Engine, SamplingParams
+from ..engines.sampler import mix_seed
+from ..grpo.advantages import group_advantages
+from ..grpo.batch import TrainingBatch, build_batch
+from ..types import Status, Trajectory
 from .conversation import Conversation, Environment, Policy
 from .costep import co_step
-from .engine import Engine, SamplingParams
 from .limits import check_time_limit
 from .multiturn import EngineRollout, MultiTurnRequest, MultiTurnScheduler, prepare_requests, run_multi_turn
-from .sampling import mix_seed
 from .stop import MaxTurns
-from .trajectory import Status, Trajectory
 
 _EVAL_SALT = 0x6576616C  # folded into evaluation seeds, so they never repeat a training step's
 

@@ -35,14 +35,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from .engine import Engine, Generation, GenerationRequest
+from ..engines.base import Engine, Generation, GenerationRequest
 from .vote import Ballot, GatherFn, cast_vote
 
 T = TypeVar("T")
-
-# below this a temperature-scaled logit overflows float32 (and logprobs turn NaN) long before
-# it differs from greedy; 0 is greedy
-MIN_TEMPERATURE = 1e-4
 
 
 @dataclass(frozen=True)
@@ -226,14 +222,6 @@ def engine_registry(engines: Sequence[Engine], where: str) -> dict[str, Engine]:
                 "its own name (e.g. HFEngine(..., name='frozen'))"
             )
     return registry
-
-
-def check_temperature(temperature: float, where: str) -> None:
-    if 0 < temperature < MIN_TEMPERATURE:
-        raise ValueError(
-            f"{where}: temperature {temperature!r} is too small to sample with (logits scaled by it "
-            f"overflow); use 0 for greedy or a temperature >= {MIN_TEMPERATURE:g}"
-        )
 
 
 def no_running_loop(name: str) -> None:

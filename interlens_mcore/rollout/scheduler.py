@@ -18,11 +18,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .chat import ChatFormat
-from .engine import Engine, SamplingParams
-from .lockstep import check_temperature
-from .sampling import mix_seed
-from .trajectory import Status, TrainTurns, Trajectory, TurnTokens, assemble, logprobs_fit
+from ..chat import ChatFormat
+from ..engines.base import Engine, SamplingParams, check_temperature
+from ..engines.sampler import mix_seed
+from ..types import Status, TrainTurns, Trajectory, TurnTokens, assemble, logprobs_fit
 from .vote import RolloutError, RolloutValueError
 
 

@@ -15,11 +15,19 @@ import contextvars
 import copy
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from .conversation import Conversation
-    from .trajectory import Message
+    from ..types import Message
+
+
+class Conversation(Protocol):
+    """What a stop condition reads of a conversation (`interlens_mcore.Conversation` has it): a
+    protocol, so that this module, which `conversation` imports, imports nothing of it."""
+
+    messages: list[Message]
+    turns_taken: int
+
 
 _AMBIENT: contextvars.ContextVar[tuple[StopCondition, ...]] = contextvars.ContextVar(
     "interlens_ambient_stops", default=()

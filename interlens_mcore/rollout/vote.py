@@ -4,7 +4,7 @@ one rank's failure becomes the same `RolloutError` on every rank instead of a ha
 
 A `gather_fn` follows accelerate's `gather_object` convention: each rank passes a list and
 gets the concatenation over ranks, in rank order. `local_gather` is the one-process identity;
-`parallel.build_groups(...).gather_fn()` is the distributed one.
+`distributed.build_groups(...).gather_fn()` is the distributed one.
 """
 
 from __future__ import annotations

@@ -34,8 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..conversation import Conversation, Environment, Participant, Policy
-from ..trajectory import Message
+from ..rollout.conversation import Conversation, Environment, Participant, Policy
+from ..types import Message
 from .guess import reply_number
 
 SEATS = ("player_a", "player_b")

@@ -33,8 +33,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..conversation import Conversation, Environment, Participant, Policy
-from ..trajectory import Message
+from ..rollout.conversation import Conversation, Environment, Participant, Policy
+from ..types import Message
 
 _NUMBER = re.compile(r"-?\d+")
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_utils import SMALL, metrics, torchrun
+from support.launch import SMALL, metrics, torchrun
 
-from interlens_mcore import parallel
+from interlens_mcore import distributed
 from trainers import checkpoint
 
 
@@ -24,7 +24,7 @@ def _write(folder: Path) -> None:
 
 def _save(root: Path, step: int) -> Path:
     # one process, no process group: save's barriers and rank checks must be no-ops
-    assert not parallel.is_initialized()
+    assert not distributed.is_initialized()
     return checkpoint.save(root, step, _write, meta={"run": {}})
 
 

@@ -8,9 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from train_utils import env
+from support.launch import env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "swift.md"
 
 

@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from train_utils import env
+from support.launch import env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "guide.md"
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import run_ranks
+from support.dist import run_ranks
 
-from interlens_mcore.assets_smollm2 import AssetUnavailable, ensure_smollm2
+from interlens_mcore.assets import AssetUnavailable, ensure_smollm2
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +42,8 @@ def test_asset_carries_the_model_and_its_chat_format(smollm2_path):
 def test_hf_engine_answers_a_chat_prompt(smollm2_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from interlens_mcore.engine import GenerationRequest, HFEngine
+    from interlens_mcore.engines.base import GenerationRequest
+    from interlens_mcore.engines.hf import HFEngine
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
     model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32)
@@ -125,7 +126,7 @@ def test_megatron_logits_equal_transformers_at_tp1(smollm2_path):
 
 def test_one_deepspeed_training_step(smollm2_path, tmp_path):
     """The HF / DeepSpeed backend trains SmolLM2 under torchrun (ZeRO-1, 2 ranks, one step)."""
-    from train_utils import metrics, torchrun
+    from support.launch import metrics, torchrun
 
     out = tmp_path / "run"
     args = ["--model", str(smollm2_path), "--backend", "deepspeed", "--zero-stage", "1", "--steps", "1"]

@@ -10,7 +10,7 @@ import sys
 from collections import Counter
 
 import pytest
-from train_utils import ROOT, torchrun
+from support.launch import ROOT, torchrun
 
 SCRIPT = ROOT / "benchmarks" / "soak_rollout.py"
 

@@ -11,13 +11,13 @@ import json
 import subprocess
 
 import pytest
-from train_utils import SMALL, python
+from support.launch import SMALL, python
 
 
 @pytest.fixture
 def run(capsys, monkeypatch):
     """`main(args)` in this process, with WORLD_SIZE and friends as given; returns exit code and stderr."""
-    from train_utils import train_main
+    from support.launch import train_main
 
     def call(*args: str, **env: str) -> subprocess.CompletedProcess:
         for key, value in env.items():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from train_utils import SMALL, all_records, metrics, torchrun
+from support.launch import SMALL, all_records, metrics, torchrun
 
 MYMODULE = """
 from dataclasses import dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from train_utils import SMALL, metrics, torchrun
+from support.launch import SMALL, metrics, torchrun
 
 KEYS = {"step", "reward_mean", "reward_std", "loss", "kl", "is_sample_fraction", "is_weight_mean", "tokens"}
 KEYS |= {"rollout_s", "train_s"}

@@ -7,8 +7,8 @@ import subprocess
 import sys
 import time
 
-from dist_utils import run_ranks
-from train_utils import ROOT, SMALL, TRAIN, env, metrics, torchrun
+from support.dist import run_ranks
+from support.launch import ROOT, SMALL, TRAIN, env, metrics, torchrun
 
 # an environment that raises on rank 1 at step 1, or (FAULT=kill) kills its process there on the
 # first attempt only; otherwise guess-a-number. Conversation ids are "s<step>-r<rank>-..."
@@ -16,7 +16,7 @@ FAULTY = """
 import os
 import signal
 
-from interlens_mcore.envs import GuessNumber
+from interlens_mcore.tasks.guess import GuessNumber
 from interlens_mcore.tasks import GuessTasks
 
 
@@ -120,15 +120,15 @@ def test_killed_worker_restarts_and_reaches_the_same_metrics(tmp_path):
 def _library_run_twice(rank, world_size, tiny_path, out):
     from transformers import AutoTokenizer
 
-    from interlens_mcore import parallel
-    from interlens_mcore.loss import LossConfig
-    from interlens_mcore.rollout import RolloutConfig
+    from interlens_mcore import distributed
+    from interlens_mcore.grpo.loss.config import LossConfig
+    from interlens_mcore.rollout.rollouter import RolloutConfig
     from interlens_mcore.tasks import GuessTasks
     from trainers import GRPOTrainer, MegatronBackend, TrainerConfig
     from trainers.rundir import RunDirError
 
-    parallel.init_megatron(1)
-    groups = parallel.build_groups(rollout="model_parallel")
+    distributed.init_megatron(1)
+    groups = distributed.build_groups(rollout="model_parallel")
 
     def trainer(steps):
         return GRPOTrainer(

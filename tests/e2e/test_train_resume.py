@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from train_utils import ROOT, SMALL, TRAIN, children, env, kill_all, metrics, torchrun
+from support.launch import ROOT, SMALL, TRAIN, children, env, kill_all, metrics, torchrun
 
 STEPS = 6
 

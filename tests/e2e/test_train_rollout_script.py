@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from train_utils import ROOT, SMALL, torchrun
+from support.launch import ROOT, SMALL, torchrun
 
 
 def test_rollout_jsonl(tmp_path):

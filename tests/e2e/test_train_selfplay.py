@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from train_utils import SMALL, evaluations, metrics, python, torchrun
+from support.launch import SMALL, evaluations, metrics, python, torchrun
 
 
 def test_self_play_logs_each_seat_and_win_rates(tmp_path):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from train_utils import SMALL, all_records, metrics, torchrun
+from support.launch import SMALL, all_records, metrics, torchrun
 
 TASKS = [
     ["--task", "reasoning_gym:basic_arithmetic"],

@@ -21,12 +21,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, run as a script
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, run as a script
 
-from interlens_mcore import ChatFormat, Environment, Message, MultiTurnScheduler, parallel  # noqa: E402
-from interlens_mcore.loss import LossConfig  # noqa: E402
-from interlens_mcore.rewards import environment_reward  # noqa: E402
-from interlens_mcore.rollout import RolloutConfig  # noqa: E402
+from interlens_mcore import ChatFormat, Environment, Message, MultiTurnScheduler, distributed  # noqa: E402
+from interlens_mcore.grpo.loss.config import LossConfig  # noqa: E402
+from interlens_mcore.grpo.rewards import environment_reward  # noqa: E402
+from interlens_mcore.rollout.rollouter import RolloutConfig  # noqa: E402
 from interlens_mcore.tasks import TaskSource  # noqa: E402
 from interlens_mcore.tools.environment import ToolEnvironment  # noqa: E402
 from interlens_mcore.tools.parser import ParsedCalls, ToolCall  # noqa: E402
@@ -56,7 +56,7 @@ class Fault:
         kind, step = self.phase
         wanted = "eval" if self.stage == "eval_env" else "train"
         first = step == 0
-        if stage != self.stage or parallel.rank() != self.rank or kind != wanted:
+        if stage != self.stage or distributed.rank() != self.rank or kind != wanted:
             return
         if first != (self.when == "first"):
             return
@@ -203,7 +203,7 @@ def run_case(backend, groups, tokenizer, fault: Fault, out: Path) -> dict:
     try:
         records = trainer.train()
         outcome = {"ended": "ran", "steps": [r["step"] for r in records]}
-    except parallel.WorldFailure as exc:
+    except distributed.WorldFailure as exc:
         outcome = {"ended": "failed", "message": str(exc)}
     return {**outcome, "ended_at": time.time(), "fired_at": fault.fired_at, "fired": fault.fired}
 
@@ -224,7 +224,7 @@ def main() -> int:
     from trainers import BackendConfig, TrainerConfig, build_backend
 
     torch.set_num_threads(1)
-    parallel.init_distributed(timeout_s=120)
+    distributed.init_distributed(timeout_s=120)
     assets = Path(os.environ.get("INTERLENS_ASSETS") or Path(opts.out).parent / "assets")
     path = ensure_tiny_model(assets / "tiny-qwen2")
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -246,12 +246,12 @@ def main() -> int:
             fault = Fault(stage, rank, when)
             mine = run_case(backend, groups, tokenizer, fault, root / f"case{i:02d}")
             # every rank ended this case at the same check (or ran it through): aligned again
-            every = parallel.all_gather_object(mine)
-            if parallel.rank() == 0:
+            every = distributed.all_gather_object(mine)
+            if distributed.rank() == 0:
                 line = {"stage": stage, "rank": rank, "when": when, "ranks": every}
                 sink.write(json.dumps(line) + "\n")
                 sink.flush()
-    parallel.destroy()
+    distributed.destroy()
     return 0
 
 

@@ -4,7 +4,7 @@ GRPO steps on the compat trajectories, and one rank's scheduler failing both ran
 from __future__ import annotations
 
 import torch
-from dist_utils import run_ranks
+from support.dist import run_ranks
 
 SCHEDULER_TURNS = {0: 1, 1: 3}  # rank -> turns its rows ask for: the ranks must keep voting
 
@@ -42,21 +42,23 @@ def _train_then_fail(rank, world_size, tiny_path):
 def _train(rank, tiny_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from interlens_mcore import parallel
-    from interlens_mcore.advantages import group_advantages
-    from interlens_mcore.batch import build_batch
+    from interlens_mcore import distributed
     from interlens_mcore.compat.swift import SwiftTaskSource
-    from interlens_mcore.engine import HFEngine, SamplingParams
-    from interlens_mcore.logprobs import token_logprobs
-    from interlens_mcore.loss import LossConfig, grpo_loss
-    from interlens_mcore.rewards import environment_reward
-    from interlens_mcore.sampling import mix_seed
+    from interlens_mcore.engines.base import SamplingParams
+    from interlens_mcore.engines.hf import HFEngine
+    from interlens_mcore.engines.sampler import mix_seed
+    from interlens_mcore.grpo.advantages import group_advantages
+    from interlens_mcore.grpo.batch import build_batch
+    from interlens_mcore.grpo.logprobs import token_logprobs
+    from interlens_mcore.grpo.loss.config import LossConfig
+    from interlens_mcore.grpo.loss.objective import grpo_loss
+    from interlens_mcore.grpo.rewards import environment_reward
 
     model, tokenizer = (
         AutoModelForCausalLM.from_pretrained(tiny_path),
         AutoTokenizer.from_pretrained(tiny_path),
     )
-    groups = parallel.build_groups(rollout="world", vote_timeout_s=60)
+    groups = distributed.build_groups(rollout="world", vote_timeout_s=60)
     scheduler, rows = _scheduler_and_rows(rank)
     task = SwiftTaskSource(scheduler, rows)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -84,7 +86,7 @@ def _train(rank, tiny_path):
             mask = batch.loss_mask
             report["first_step_gap"] = float((logprobs.detach() - batch.rollout_logprobs)[mask].abs().max())
         counts = torch.tensor([float(batch.loss_mask.sum()), float(len(trajectories))])
-        parallel.all_reduce(counts, "sum")
+        distributed.all_reduce(counts, "sum")
         loss, _ = grpo_loss(
             logprobs, loss_mask=batch.loss_mask, advantages=batch.advantages,
             rollout_logprobs=batch.rollout_logprobs, logprobs_complete=batch.logprobs_complete,
@@ -95,7 +97,7 @@ def _train(rank, tiny_path):
         loss.backward()
         for p in model.parameters():
             if p.grad is not None:
-                parallel.all_reduce(p.grad, "sum")
+                distributed.all_reduce(p.grad, "sum")
         optimizer.step()
         report["losses"].append(float(loss.detach()))
         report["checksums"].append(float(sum(p.detach().double().sum() for p in model.parameters())))
@@ -107,16 +109,17 @@ def _train(rank, tiny_path):
 def _fail(rank, tiny_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from interlens_mcore import parallel
+    from interlens_mcore import distributed
     from interlens_mcore.compat.swift import run
-    from interlens_mcore.engine import HFEngine, SamplingParams
-    from interlens_mcore.multiturn import MultiTurnError
+    from interlens_mcore.engines.base import SamplingParams
+    from interlens_mcore.engines.hf import HFEngine
+    from interlens_mcore.rollout.multiturn import MultiTurnError
 
     model, tokenizer = (
         AutoModelForCausalLM.from_pretrained(tiny_path),
         AutoTokenizer.from_pretrained(tiny_path),
     )
-    groups = parallel.build_groups(rollout="world", vote_timeout_s=60)
+    groups = distributed.build_groups(rollout="world", vote_timeout_s=60)
     scheduler, rows = _scheduler_and_rows(rank)
     if rank == 1:
         rows[1]["fail_at"] = 2

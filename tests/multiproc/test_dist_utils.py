@@ -1,17 +1,17 @@
 import time
 
 import pytest
-from dist_utils import run_ranks
+from support.dist import run_ranks
 
 
 def _sum_ranks(rank, world):
     import torch
 
-    from interlens_mcore import parallel
+    from interlens_mcore import distributed
 
     t = torch.tensor([float(rank + 1)])
-    parallel.all_reduce(t)
-    return float(t), parallel.all_gather_object(rank)
+    distributed.all_reduce(t)
+    return float(t), distributed.all_gather_object(rank)
 
 
 def _hang_on_rank1(rank, world):
@@ -34,11 +34,11 @@ def test_hang_is_a_failure():
 
 
 def _gather_small_and_large(rank, world):
-    from interlens_mcore import parallel
+    from interlens_mcore import distributed
 
-    small = parallel.all_gather_small({"rank": rank, "rows": {"k": ("policy", rank)}})
+    small = distributed.all_gather_small({"rank": rank, "rows": {"k": ("policy", rank)}})
     # one rank's object overflows the fast buffer: both ranks fall back together
-    large = parallel.all_gather_small("x" * (10_000 if rank == 1 else 3))
+    large = distributed.all_gather_small("x" * (10_000 if rank == 1 else 3))
     return small, [len(x) for x in large]
 
 

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
-from train_utils import ROOT, TRAIN, env, kill_all
+from support.launch import ROOT, TRAIN, env, kill_all
 
 JOB = Path(__file__).with_name("fault_matrix_job.py")
 sys.path.insert(0, str(JOB.parent))

@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 import pytest
-from dist_utils import run_ranks
+from support.dist import run_ranks
 
 NAN_STEP, INF_STEP, STEPS = 1, 2, 4
 
@@ -33,8 +33,9 @@ def _faulty_trainer(backend, groups, tiny_path, out, grad_param: str, module, we
     """A GRPOTrainer with the two faults above; `grad_param` names the parameter given an inf."""
     from transformers import AutoTokenizer
 
-    from interlens_mcore.loss import LossConfig, batch_loss
-    from interlens_mcore.rollout import RolloutConfig
+    from interlens_mcore.grpo.loss.config import LossConfig
+    from interlens_mcore.grpo.loss.objective import batch_loss
+    from interlens_mcore.rollout.rollouter import RolloutConfig
     from interlens_mcore.tasks import GuessTasks
     from trainers import GRPOTrainer, TrainerConfig
 
@@ -97,11 +98,11 @@ def _run(trainer) -> dict:
 
 
 def _megatron(rank, world_size, tiny_path, out, tp):
-    from interlens_mcore import parallel
+    from interlens_mcore import distributed
     from trainers import MegatronBackend
 
-    parallel.init_megatron(tp)
-    groups = parallel.build_groups(rollout="model_parallel")
+    distributed.init_megatron(tp)
+    groups = distributed.build_groups(rollout="model_parallel")
     backend = MegatronBackend(model_path=tiny_path, groups=groups, lr=2e-3)
 
     def weights():
@@ -116,14 +117,14 @@ def _norm_of_fixed_batch(rank, world_size, tiny_path, out, tp):
     """MegatronBackend.grad_norm after one backward of a fixed batch, and torch's norm."""
     import torch
 
-    from interlens_mcore import parallel
-    from interlens_mcore.batch import build_batch
-    from interlens_mcore.trajectory import Trajectory
+    from interlens_mcore import distributed
+    from interlens_mcore.grpo.batch import build_batch
+    from interlens_mcore.types import Trajectory
     from trainers import MegatronBackend
 
-    parallel.init_megatron(tp)
+    distributed.init_megatron(tp)
     backend = MegatronBackend(
-        model_path=tiny_path, groups=parallel.build_groups(rollout="model_parallel"), lr=1e-3
+        model_path=tiny_path, groups=distributed.build_groups(rollout="model_parallel"), lr=1e-3
     )
     tokens = [5, 17, 42, 99, 7, 250, 3, 11, 64, 128]
     t = Trajectory(token_ids=tokens, loss_mask=[0] * 4 + [1] * 6, rollout_logprobs=None)
@@ -149,11 +150,11 @@ def _deepspeed(rank, world_size, tiny_path, out, stage):
     import deepspeed
     from transformers import AutoTokenizer
 
-    from interlens_mcore import parallel
+    from interlens_mcore import distributed
     from trainers import DeepSpeedBackend, deepspeed_config
 
     ds = deepspeed_config(zero_stage=stage, lr=2e-3, weight_decay=0.0, grad_clip=1.0, micro_batches=1)
-    groups = parallel.build_groups(rollout="data_parallel" if stage == 3 else "model_parallel")
+    groups = distributed.build_groups(rollout="data_parallel" if stage == 3 else "model_parallel")
     backend = DeepSpeedBackend(
         model_path=tiny_path, ds_config=ds, groups=groups, tokenizer=AutoTokenizer.from_pretrained(tiny_path)
     )
@@ -217,7 +218,7 @@ def test_deepspeed_skips_nonfinite_steps(tmp_path, tiny_path, stage):
 )
 def test_deepspeed_refuses_configs_that_would_apply_nonfinite_steps(tmp_path, change, message):
     pytest.importorskip("deepspeed", reason="DeepSpeed is an optional extra: pip install -e .[deepspeed]")
-    from interlens_mcore import parallel
+    from interlens_mcore import distributed
     from trainers import DeepSpeedBackend, deepspeed_config
 
     ds = deepspeed_config(zero_stage=1, lr=1e-3, weight_decay=0.0, grad_clip=1.0, micro_batches=1)
@@ -225,6 +226,6 @@ def test_deepspeed_refuses_configs_that_would_apply_nonfinite_steps(tmp_path, ch
         DeepSpeedBackend(
             model_path=tmp_path,  # never read: the config is checked first
             ds_config={**ds, **change},
-            groups=parallel.ParallelGroups(rank=0, world_size=1),
+            groups=distributed.ParallelGroups(rank=0, world_size=1),
             tokenizer=None,
         )

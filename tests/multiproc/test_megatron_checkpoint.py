@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import run_ranks
+from support.dist import run_ranks
 
 from interlens_mcore.assets import ensure_tiny_model
 

@@ -13,23 +13,23 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import run_ranks
-from train_utils import env, torchrun
+from support.dist import run_ranks
+from support.launch import env, torchrun
 
 from interlens_mcore.assets import ensure_tiny_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONVERT = ROOT / "launch" / "convert.py"
 SEQS = [[5, 9, 33, 2, 100, 7], [1, 2, 3], [44, 45, 46, 47, 48, 49, 50, 51, 300, 511]]
 
 
 def _full_logits(model, layout, ids, cu=None):
     """Vocab-sharded logits gathered over the TP group, padding cut: [..., V]."""
-    from interlens_mcore import parallel
+    from interlens_mcore import distributed
     from interlens_mcore.megatron import forward_logits
 
     shard = forward_logits(model, layout, ids, cu)
-    full = torch.cat(parallel.all_gather_tensor(shard, parallel.megatron_tp_group()), dim=-1)
+    full = torch.cat(distributed.all_gather_tensor(shard, distributed.megatron_tp_group()), dim=-1)
     return full[..., : layout.vocab_size]
 
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import run_ranks
+from support.dist import run_ranks
 
 from interlens_mcore.assets import ensure_tiny_model
-from interlens_mcore.engine import GenerationRequest
+from interlens_mcore.engines.base import GenerationRequest
 
 STOPS = tuple(range(0, 512, 4))  # a quarter of the vocabulary: some sampled rows stop early
 
@@ -70,13 +70,13 @@ def _load(path):
 def _tp2_checks(rank: int, path: str) -> dict:
     from transformers import AutoTokenizer
 
-    from interlens_mcore import parallel
+    from interlens_mcore import distributed
     from interlens_mcore.megatron.engine import MegatronEngine
     from interlens_mcore.megatron.kv_cache import supports_kv_cache
 
     reqs = _requests()
     model, layout = _load(path)
-    engine = MegatronEngine(model, layout, group=parallel.megatron_tp_group())
+    engine = MegatronEngine(model, layout, group=distributed.megatron_tp_group())
     out = {"split": engine.generate(reqs[:4] if rank == 0 else reqs[4:])}  # uneven shares
     out["cached"] = supports_kv_cache(model)  # so "split" above ran with the KV cache
     recompute = MegatronEngine(model, layout, use_kv_cache=False)  # group None: the world
@@ -103,20 +103,21 @@ def _engine_job(rank, world_size, path: str):
     from megatron.core import parallel_state
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from interlens_mcore import parallel
-    from interlens_mcore.engine import HFEngine
+    from interlens_mcore import distributed
+    from interlens_mcore.engines.hf import HFEngine
     from interlens_mcore.megatron.engine import MegatronEngine
 
     out: dict = {}
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     try:
         model, layout = _load(path)
-        out["tp1"] = MegatronEngine(model, layout, group=parallel.megatron_tp_group()).generate(_requests())
+        tp_group = distributed.megatron_tp_group()
+        out["tp1"] = MegatronEngine(model, layout, group=tp_group).generate(_requests())
         tok = AutoTokenizer.from_pretrained(path)
-        tp1 = MegatronEngine(model, layout, group=parallel.megatron_tp_group(), tokenizer=tok)
+        tp1 = MegatronEngine(model, layout, group=distributed.megatron_tp_group(), tokenizer=tok)
         out["tp1_filtered"] = tp1.generate(_filtered_requests())
         try:
-            MegatronEngine(model, layout, group=parallel.megatron_tp_group()).generate(_filtered_requests())
+            MegatronEngine(model, layout, group=tp_group).generate(_filtered_requests())
         except ValueError as exc:
             out["no_tokenizer_error"] = str(exc)
     finally:
@@ -216,8 +217,8 @@ def test_context_error_names_the_row_on_every_rank(ranks):
 
 
 def test_sample_vocab_parallel_matches_full_vocab_on_one_rank():
+    from interlens_mcore.engines.sampler import sample_full_vocab
     from interlens_mcore.megatron.engine import sample_vocab_parallel
-    from interlens_mcore.sampling import sample_full_vocab
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 50, generator=gen) * 3  # [B, V]

@@ -9,7 +9,7 @@ pick the same tokens bit for bit.
 from __future__ import annotations
 
 import torch
-from dist_utils import run_ranks
+from support.dist import run_ranks
 
 B, V, SPLIT = 64, 301, 151  # rank 0 holds ids [0, 151), rank 1 [151, 302), 301 padded
 
@@ -28,8 +28,8 @@ def _case():
 
 
 def _job(rank, world_size):
+    from interlens_mcore.engines.sampler import Filters, sample, sample_full_vocab
     from interlens_mcore.megatron.engine import vocab_shard
-    from interlens_mcore.sampling import Filters, sample, sample_full_vocab
 
     logits, temps, top_k, top_p, min_p = _case()
     seeds, steps = torch.arange(B) * 31 + 5, torch.arange(B) % 9

@@ -3,7 +3,7 @@
 import time
 
 import pytest
-from dist_utils import run_ranks
+from support.dist import run_ranks
 
 
 def _guess_convs(engine, tok, rank, turns_by_rank, n=3):
@@ -42,11 +42,11 @@ class Counting:
 def _uneven_co_step(rank, world, tiny_path, turns_by_rank):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from interlens_mcore import HFEngine, co_step, parallel
+    from interlens_mcore import HFEngine, co_step, distributed
 
     tok = AutoTokenizer.from_pretrained(tiny_path)
     engine = Counting(HFEngine(AutoModelForCausalLM.from_pretrained(tiny_path), tok))
-    groups = parallel.build_groups(rollout="world", vote_timeout_s=60)
+    groups = distributed.build_groups(rollout="world", vote_timeout_s=60)
     convs = _guess_convs(engine, tok, rank, turns_by_rank)
     co_step(convs, turns=None, gather_fn=groups.gather_fn(), rank=groups.rollout_rank)
     return [c.turns_taken for c in convs], engine.calls, [c.trajectories()[0].token_ids for c in convs]
@@ -83,7 +83,7 @@ def _failing_rank(rank, world, tiny_path):
         RolloutError,
         SamplingParams,
         co_step,
-        parallel,
+        distributed,
     )
 
     class Flaky(Environment):
@@ -97,7 +97,7 @@ def _failing_rank(rank, world, tiny_path):
     tok = AutoTokenizer.from_pretrained(tiny_path)
     engine = HFEngine(AutoModelForCausalLM.from_pretrained(tiny_path), tok)
     pol = Policy("agent", engine, tok, SamplingParams(max_new_tokens=4))
-    groups = parallel.build_groups(rollout="world", vote_timeout_s=60)
+    groups = distributed.build_groups(rollout="world", vote_timeout_s=60)
     convs = [Conversation([pol, Flaky()], run_until=MaxTurns(20), id=f"f{rank}")]
     t0 = time.monotonic()
     try:
@@ -117,12 +117,12 @@ def test_one_rank_failure_fails_every_rank_fast(tiny_path):
 def _subgroup_layout(rank, world, tp, tiny_path):
     from megatron.core import parallel_state as ps
 
-    from interlens_mcore import co_step, parallel
-    from interlens_mcore.engine import HFEngine
+    from interlens_mcore import co_step, distributed
+    from interlens_mcore.engines.hf import HFEngine
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     try:
-        groups = parallel.build_groups(rollout="model_parallel", vote_timeout_s=60)
+        groups = distributed.build_groups(rollout="model_parallel", vote_timeout_s=60)
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(tiny_path)
@@ -154,7 +154,7 @@ def _uneven_multi_turn(rank, world, tiny_path, fail_rank):
         RolloutError,
         SamplingParams,
         ToolScheduler,
-        parallel,
+        distributed,
         run_multi_turn,
     )
 
@@ -173,7 +173,7 @@ def _uneven_multi_turn(rank, world, tiny_path, fail_rank):
         def check_finished(self, request, response_choice, current_turn):
             return False  # short replies end at their token cap; keep going until max_turns
 
-    groups = parallel.build_groups(rollout="world", vote_timeout_s=60)
+    groups = distributed.build_groups(rollout="world", vote_timeout_s=60)
     opening = [{"role": "user", "content": "add 3 and 4"}]
     requests = [MultiTurnRequest.from_messages(chat, opening, index=10 * rank + i) for i in range(2)]
     max_turns = 1 if rank == 0 else 5

@@ -2,7 +2,7 @@
 ranks with uneven turns finish only because of the vote (and the engine's lockstep steps)."""
 
 import pytest
-from dist_utils import run_ranks
+from support.dist import run_ranks
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is an optional extra: pip install -e .[deepspeed]")
 
@@ -19,9 +19,9 @@ def _zero3_rollout(rank, world, tiny_path, use_vote):
         Policy,
         SamplingParams,
         co_step,
-        parallel,
+        distributed,
     )
-    from interlens_mcore.vote import local_gather
+    from interlens_mcore.rollout.vote import local_gather
 
     class Feedback(Environment):
         name = "env"
@@ -39,7 +39,7 @@ def _zero3_rollout(rank, world, tiny_path, use_vote):
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
     }
     engine_ds, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    groups = parallel.build_groups(rollout="data_parallel", vote_timeout_s=60)
+    groups = distributed.build_groups(rollout="data_parallel", vote_timeout_s=60)
     engine = HFEngine(engine_ds.module, tok, sync_group=groups.rollout)
     pol = Policy("agent", engine, tok, SamplingParams(max_new_tokens=4))
     turns = 2 if rank == 0 else 8
@@ -77,11 +77,11 @@ def _too_long_on_one_rank(rank, world, tiny_path):
         SamplingParams,
         Scripted,
         co_step,
-        parallel,
+        distributed,
     )
 
     tok = AutoTokenizer.from_pretrained(tiny_path)
-    groups = parallel.build_groups(rollout="world", vote_timeout_s=60)
+    groups = distributed.build_groups(rollout="world", vote_timeout_s=60)
     engine = HFEngine(
         AutoModelForCausalLM.from_pretrained(tiny_path), tok, max_context=64, sync_group=groups.rollout
     )

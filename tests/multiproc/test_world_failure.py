@@ -1,7 +1,7 @@
-"""`parallel.check_world`: one rank's error reaches every rank as the same named cause.
+"""`distributed.check_world`: one rank's error reaches every rank as the same named cause.
 
 Real gloo processes. The vanished-peer case needs its own two processes (not
-`dist_utils.run_ranks`, which fails a test as soon as any rank dies): rank 1 SIGKILLs itself
+`support.dist.run_ranks`, which fails a test as soon as any rank dies): rank 1 SIGKILLs itself
 and rank 0 must raise a `WorldFailure` within seconds, not after the group's timeout.
 """
 
@@ -13,22 +13,22 @@ import time
 
 import pytest
 import torch.multiprocessing as mp
-from dist_utils import free_port, run_ranks
+from support.dist import free_port, run_ranks
 
 SCENARIOS = ([], [1], [0, 1])  # which ranks fail, in one job (spawning ranks is the slow part)
 
 
 def _check_job(rank, world_size):
-    from interlens_mcore import parallel
+    from interlens_mcore import distributed
 
-    group = parallel.world_check_group(timeout_s=30)
+    group = distributed.world_check_group(timeout_s=30)
     out = []
     for failing in SCENARIOS:
         error = ValueError(f"environment of rank {rank} exploded") if rank in failing else None
         try:
-            parallel.check_world(error, group)
+            distributed.check_world(error, group)
             out.append(None)
-        except parallel.WorldFailure as exc:
+        except distributed.WorldFailure as exc:
             out.append({"message": str(exc), "failures": exc.failures, "chained": exc.__cause__ is error})
     return out
 
@@ -61,11 +61,11 @@ def test_nobody_failing_raises_nothing_and_the_checks_stay_aligned(checked):
 
 
 def test_one_rank_alone_raises_its_own_error():
-    from interlens_mcore import parallel
+    from interlens_mcore import distributed
 
-    parallel.check_world(None)
-    with pytest.raises(parallel.WorldFailure, match="^rank 0 failed: KeyError: 'seat'$"):
-        parallel.check_world(KeyError("seat"))
+    distributed.check_world(None)
+    with pytest.raises(distributed.WorldFailure, match="^rank 0 failed: KeyError: 'seat'$"):
+        distributed.check_world(KeyError("seat"))
 
 
 def _killed_peer(rank: int, port: int, queue) -> None:
@@ -73,21 +73,21 @@ def _killed_peer(rank: int, port: int, queue) -> None:
 
     import torch.distributed as dist
 
-    from interlens_mcore import parallel
+    from interlens_mcore import distributed
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # the trainers' default timeout: a hang would show as a test timeout, not a quick failure
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=1800))
-    group = parallel.world_check_group(timeout_s=1800)
-    parallel.check_world(None, group)
+    group = distributed.world_check_group(timeout_s=1800)
+    distributed.check_world(None, group)
     if rank == 1:
         time.sleep(0.5)  # rank 0 is inside the next check by now
         os.kill(os.getpid(), signal.SIGKILL)
     start = time.monotonic()
     try:
-        parallel.check_world(None, group)
+        distributed.check_world(None, group)
         queue.put(("returned", 0.0))
-    except parallel.WorldFailure as exc:
+    except distributed.WorldFailure as exc:
         queue.put((str(exc), time.monotonic() - start))
 
 
@@ -111,19 +111,19 @@ def test_a_killed_peer_becomes_a_world_failure_within_seconds():
 
 def _phase_job(rank, world_size):
     """Inside a local phase a world collective raises at once, on the rank that attempts it."""
-    from interlens_mcore import parallel
+    from interlens_mcore import distributed
 
     out = {}
     try:
-        with parallel.stage("step 3"), parallel.local_phase("evaluation"):
+        with distributed.stage("step 3"), distributed.local_phase("evaluation"):
             if rank == 1:  # only rank 1 tries: it must raise without waiting for rank 0
-                parallel.all_gather_object("figures")
-    except parallel.CollectiveInLocalPhase as exc:
+                distributed.all_gather_object("figures")
+    except distributed.CollectiveInLocalPhase as exc:
         out["refused"] = str(exc)
         out["notes"] = list(exc.__notes__)
-    allowed = parallel.world_check_group(timeout_s=30)  # collective: both ranks, after the phase
-    with parallel.local_phase("rollout", allow=(allowed,)):
-        out["allowed"] = parallel.all_gather_object(rank, group=allowed)  # the rollout's own group
+    allowed = distributed.world_check_group(timeout_s=30)  # collective: both ranks, after the phase
+    with distributed.local_phase("rollout", allow=(allowed,)):
+        out["allowed"] = distributed.all_gather_object(rank, group=allowed)  # the rollout's own group
     return out
 
 
@@ -141,17 +141,17 @@ def test_a_world_collective_inside_a_local_phase_is_refused_at_once():
 
 def _timeout_job(rank, world_size):
     """Rank 0 waits in a gather rank 1 never joins: a named CollectiveError after the group's timeout."""
-    from interlens_mcore import parallel
+    from interlens_mcore import distributed
 
-    group = parallel.world_check_group(timeout_s=2)
+    group = distributed.world_check_group(timeout_s=2)
     if rank == 1:
         time.sleep(6)  # past rank 0's timeout, then leave without joining
         return None
     start = time.monotonic()
     try:
-        with parallel.stage("step 3"), parallel.stage("evaluation figures"):
-            parallel.all_gather_object({"reward": [1.0]}, group=group)
-    except parallel.CollectiveError as exc:
+        with distributed.stage("step 3"), distributed.stage("evaluation figures"):
+            distributed.all_gather_object({"reward": [1.0]}, group=group)
+    except distributed.CollectiveError as exc:
         return {"message": str(exc), "waited": time.monotonic() - start, "notes": list(exc.__notes__)}
     return {"message": "returned"}
 
@@ -167,12 +167,12 @@ def test_a_collective_left_waiting_fails_after_its_timeout_naming_it_and_the_sta
 
 
 def test_stages_nest_and_unwind():
-    from interlens_mcore import parallel
+    from interlens_mcore import distributed
 
-    assert parallel.current_stage() is None
-    with parallel.stage("step 0"):
-        with parallel.local_phase("rollout"):
-            assert parallel.current_stage() == "step 0 / rollout"
-            parallel.all_gather_object("alone")  # a one-rank world: nothing to refuse, nothing sent
-        assert parallel.current_stage() == "step 0"
-    assert parallel.current_stage() is None
+    assert distributed.current_stage() is None
+    with distributed.stage("step 0"):
+        with distributed.local_phase("rollout"):
+            assert distributed.current_stage() == "step 0 / rollout"
+            distributed.all_gather_object("alone")  # a one-rank world: nothing to refuse, nothing sent
+        assert distributed.current_stage() == "step 0"
+    assert distributed.current_stage() is None

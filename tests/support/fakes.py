@@ -1,9 +1,12 @@
-"""Fakes shared by the rollout tests: for what a test is not about (the engine, the environment)."""
+"""Fakes shared by the tests: for what a test is not about (the engine, the environment)."""
 
 from __future__ import annotations
 
 from interlens_mcore import Environment
-from interlens_mcore.engine import Generation
+from interlens_mcore.distributed import ParallelGroups
+from interlens_mcore.engines.base import Generation
+from interlens_mcore.engines.hf import HFEngine
+from interlens_mcore.rollout.mixin import RolloutConfig, RolloutMixin
 
 
 class Feedback(Environment):
@@ -43,3 +46,30 @@ class Endless:
             )
             for r in requests
         ]
+
+
+class ScriptEngine:
+    """Answers each conversation's turns with scripted texts (tokenized), in order."""
+
+    name, max_context = "script", 1 << 15  # the tiny tokenizer spells a tools preamble out in ~4k tokens
+
+    def __init__(self, tok, replies: dict[str, list[str]]):
+        self.tok, self.replies, self.calls = tok, {k: list(v) for k, v in replies.items()}, 0
+
+    def generate(self, requests):
+        out = []
+        for r in requests:
+            text = self.replies[r.tag].pop(0)
+            ids = self.tok.encode(text, add_special_tokens=False) + [self.tok.eos_token_id]
+            out.append(Generation(token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop"))
+        return out
+
+
+class ForeignTrainer(RolloutMixin):
+    """A trainer that is not ours, with this package's rollouts mixed in: an HF model, one process."""
+
+    def __init__(self, model, tokenizer, **rollout):
+        self.engine = HFEngine(model, tokenizer)
+        self.tokenizer = tokenizer
+        self.groups = ParallelGroups(rank=0, world_size=1)
+        self.rollout_config = RolloutConfig(**{"max_new_tokens": 4, **rollout})

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "launch" / "train_grpo.py"
 # a few small steps: every test run stays well under a minute on 2 cores
 SMALL = ["--batch-size", "8", "--num-generations", "4", "--max-new-tokens", "4", "--save-every", "2"]
@@ -18,6 +18,9 @@ SMALL += ["--eval-size", "4"]
 
 def env(**extra: str) -> dict[str, str]:
     e = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    # the launch scripts import the package as installed; this checkout's copy comes first, so a
+    # test runs the code beside it even where another checkout is the installed one
+    e["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     e.pop("PYTHONWARNINGS", None)  # bad-input tests check that stderr holds exactly one line
     e.update(extra)
     return e

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from interlens_mcore.conversation import Conversation, Policy
-from interlens_mcore.costep import co_step
-from interlens_mcore.engine import Generation, SamplingParams
-from interlens_mcore.stop import MaxTurns
+from interlens_mcore.engines.base import SamplingParams
+from interlens_mcore.rollout.conversation import Conversation, Policy
+from interlens_mcore.rollout.costep import co_step
+from interlens_mcore.rollout.stop import MaxTurns
+
+from .fakes import ScriptEngine
 
 
 def play(rows, engine, tok, *, max_new_tokens=8, seed=0, step_timeout_s=None):
@@ -27,26 +29,9 @@ def play(rows, engine, tok, *, max_new_tokens=8, seed=0, step_timeout_s=None):
     return convs
 
 
-class ScriptEngine:
-    """Answers each conversation's turns with scripted texts (tokenized), in order."""
-
-    name, max_context = "script", 1 << 15  # the tiny tokenizer spells a tools preamble out in ~4k tokens
-
-    def __init__(self, tok, replies: dict[str, list[str]]):
-        self.tok, self.replies, self.calls = tok, {k: list(v) for k, v in replies.items()}, 0
-
-    def generate(self, requests):
-        out = []
-        for r in requests:
-            text = self.replies[r.tag].pop(0)
-            ids = self.tok.encode(text, add_special_tokens=False) + [self.tok.eos_token_id]
-            out.append(Generation(token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop"))
-        return out
-
-
 def scored(conv):
     """conv's trajectories with `infos["env_reward"]` set as the trainer sets it (sum over envs)."""
-    from interlens_mcore.conversation import Environment
+    from interlens_mcore.rollout.conversation import Environment
 
     out = []
     for t in conv.trajectories():

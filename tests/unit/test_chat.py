@@ -119,7 +119,7 @@ def test_a_default_system_block_opens_the_conversation_once(tiny, first):
 
 def test_a_multi_turn_view_holds_the_default_system_block_once(tiny):
     """A conversation built turn by turn renders what the template renders for the whole."""
-    from interlens_mcore.scheduler import MultiTurnRequest
+    from interlens_mcore.rollout.scheduler import MultiTurnRequest
 
     _, tok = tiny
     templated = _default_system_template(tok)

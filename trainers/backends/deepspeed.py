@@ -15,14 +15,14 @@ from typing import Any
 
 import torch
 
-from interlens_mcore.batch import TrainingBatch
-from interlens_mcore.engine import HFEngine
-from interlens_mcore.logprobs import token_logprobs
-from interlens_mcore.prefix_cache import PrefixCachingEngine
-from interlens_mcore.vllm_engine import VLLMConfig
-from interlens_mcore.weight_sync import hf_tensors, zero3_hf_tensors
+from interlens_mcore.engines.hf import HFEngine
+from interlens_mcore.engines.prefix_cache import PrefixCachingEngine
+from interlens_mcore.engines.vllm import VLLMConfig
+from interlens_mcore.engines.weight_sync import hf_tensors, zero3_hf_tensors
+from interlens_mcore.grpo.batch import TrainingBatch
+from interlens_mcore.grpo.logprobs import token_logprobs
 
-from .backend import ColocatedVLLM
+from .colocated_vllm import ColocatedVLLM
 
 
 def deepspeed_config(

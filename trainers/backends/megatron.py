@@ -19,23 +19,23 @@ from typing import Any
 
 import torch
 
-from interlens_mcore import parallel
-from interlens_mcore.batch import TrainingBatch
-from interlens_mcore.logprobs import token_logprobs, vocab_parallel_token_logprobs
+from interlens_mcore import distributed
+from interlens_mcore.engines.vllm import VLLMConfig
+from interlens_mcore.engines.weight_sync import megatron_hf_tensors
+from interlens_mcore.grpo.batch import TrainingBatch
+from interlens_mcore.grpo.logprobs import token_logprobs, vocab_parallel_token_logprobs
 from interlens_mcore.megatron import build_model, export_hf, forward_logits, load_layout
 from interlens_mcore.megatron import checkpoint as megatron_checkpoint
 from interlens_mcore.megatron.engine import MegatronEngine
 from interlens_mcore.megatron.model import compute_autocast, vocab_start
 from interlens_mcore.megatron.training import TrainingOptions, build_training, choose_path, model_overrides
 from interlens_mcore.megatron.weights import copy_hf_files, load_weights
-from interlens_mcore.vllm_engine import VLLMConfig
-from interlens_mcore.weight_sync import megatron_hf_tensors
 
-from .backend import ColocatedVLLM
+from .colocated_vllm import ColocatedVLLM
 
 
 class MegatronBackend:
-    """A megatron-core model for GRPO; `parallel.init_megatron(tp)` must have run.
+    """A megatron-core model for GRPO; `distributed.init_megatron(tp)` must have run.
 
     `reference=True` keeps a frozen copy of the initial weights for the KL term. With `vllm`
     (its `tensor_parallel_size` the TP size) a colocated vLLM over the rollout group generates
@@ -50,7 +50,7 @@ class MegatronBackend:
         self,
         *,
         model_path: str | Path,
-        groups: parallel.ParallelGroups,
+        groups: distributed.ParallelGroups,
         lr: float,
         weight_decay: float = 0.0,
         grad_clip: float = 1.0,
@@ -184,7 +184,7 @@ class MegatronBackend:
     def save(self, folder: Path) -> None:
         """A sharded checkpoint (collective): it loads at any TP size, and as `--model` too."""
         megatron_checkpoint.save(folder, self.model, self.layout_info, self.optimizer)
-        if parallel.rank() == 0:
+        if distributed.rank() == 0:
             copy_hf_files(self.model_path, folder)
 
     def load(self, folder: Path) -> None:

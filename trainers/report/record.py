@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from interlens_mcore import parallel
-from interlens_mcore.rollout import Rollout
+from interlens_mcore import distributed
+from interlens_mcore.rollout.rollouter import Rollout
 
 # loss metric -> metrics.jsonl key (the loss module's names are kept as they are for the rest)
 RENAMED = {
@@ -41,7 +41,7 @@ def rollout_figures(rollout: Rollout, components: dict[str, list[float]], group:
         "timeouts": rollout.timeouts,
         "truncated": rollout.truncated,
     }
-    parts = parallel.all_gather_object(mine, group=group)
+    parts = distributed.all_gather_object(mine, group=group)
     rewards = torch.tensor([r for p in parts for r in p["reward"]])
     out: dict[str, Any] = {
         "reward_mean": float(rewards.mean()) if rewards.numel() else None,
@@ -93,7 +93,7 @@ def evaluation_figures(rollout: Rollout) -> dict[str, float]:
             if isinstance(outcome, dict) and t.participant in outcome:
                 mine.setdefault(f"win_rate/{t.participant}", []).append(float(outcome[t.participant]))
     merged: dict[str, list[float]] = {}
-    for part in parallel.all_gather_object(mine):
+    for part in distributed.all_gather_object(mine):
         for key, values in part.items():
             merged.setdefault(key, []).extend(values)
     figures = {f"eval/{k}": _mean(v) for k, v in sorted(merged.items())}

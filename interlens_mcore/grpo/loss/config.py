@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from interlens_mcore.aggregation import AGGREGATIONS, Aggregation
-from interlens_mcore.is_weights import (
+from interlens_mcore.grpo.loss.aggregation import AGGREGATIONS, Aggregation
+from interlens_mcore.grpo.loss.is_weights import (
     IS_MODES,
     REJECTIONS,
     SEQUENCE_WEIGHTS,
@@ -18,8 +18,8 @@ from interlens_mcore.is_weights import (
     Rejection,
     SequenceWeight,
 )
-from interlens_mcore.kl import KL_ESTIMATORS, KLEstimator
-from interlens_mcore.policy_loss import POLICY_LOSSES
+from interlens_mcore.grpo.loss.kl import KL_ESTIMATORS, KLEstimator
+from interlens_mcore.grpo.loss.policy import POLICY_LOSSES
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from interlens_mcore.aggregation import unit_means, unit_sums
+from interlens_mcore.grpo.loss.aggregation import unit_means, unit_sums
 
 
 def off_policy_sums(

@@ -16,7 +16,7 @@ from typing import Literal, get_args
 
 import torch
 
-from interlens_mcore.aggregation import broadcast, unit_means, unit_sums
+from interlens_mcore.grpo.loss.aggregation import broadcast, unit_means, unit_sums
 
 IsMode = Literal[
     "none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "turn_truncate", "turn_mask"

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from interlens_mcore.aggregation import unit_sums
-from interlens_mcore.batch import TrainingBatch
-from interlens_mcore.is_weights import importance_weights, off_policy_sequence_mask, rejection_mask
-from interlens_mcore.loss_config import LossConfig
+from interlens_mcore.grpo.batch import TrainingBatch
+from interlens_mcore.grpo.loss.aggregation import unit_sums
+from interlens_mcore.grpo.loss.config import LossConfig
+from interlens_mcore.grpo.loss.is_weights import importance_weights, off_policy_sequence_mask, rejection_mask
 
 
 def token_complete(logprobs_complete: torch.Tensor, sample_ids: torch.Tensor) -> torch.Tensor:

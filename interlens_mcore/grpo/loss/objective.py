@@ -7,10 +7,10 @@ losses gives the batch loss. Metrics are raw sums (maxima for keys ending in `/m
 `/min`) to be reduced once across micro-batches and ranks; `finalize_metrics` turns them into
 the logged figures.
 
-This file composes the pieces beside it: the options (`loss_config.py`), the surrogates and
-their registry (`policy_loss.py`), IS weights and rejection (`is_weights.py`), the KL
+This file composes the pieces beside it: the options (`config.py`), the surrogates and
+their registry (`policy.py`), IS weights and rejection (`is_weights.py`), the KL
 estimators (`kl.py`), the aggregation modes (`aggregation.py`), the off-policy diagnostics
-(`diagnostics.py`), and the mask of kept tokens that the denominators count (`loss_mask.py`,
+(`diagnostics.py`), and the mask of kept tokens that the denominators count (`mask.py`,
 whose docstring shows the order a trainer calls things in).
 """
 
@@ -22,19 +22,19 @@ from dataclasses import dataclass
 
 import torch
 
-from interlens_mcore import diagnostics
-from interlens_mcore.aggregation import aggregate, unit_sums
-from interlens_mcore.batch import TrainingBatch
-from interlens_mcore.kl import kl_penalty
-from interlens_mcore.loss_config import LossConfig
-from interlens_mcore.loss_mask import (
+from interlens_mcore.grpo.batch import TrainingBatch
+from interlens_mcore.grpo.loss import diagnostics
+from interlens_mcore.grpo.loss.aggregation import aggregate, unit_sums
+from interlens_mcore.grpo.loss.config import LossConfig
+from interlens_mcore.grpo.loss.kl import kl_penalty
+from interlens_mcore.grpo.loss.mask import (
     clamped_log_ratio,
     rejected_tokens,
     rollout_weights,
     token_complete,
     token_finite,
 )
-from interlens_mcore.policy_loss import POLICY_LOSSES, PolicyInputs
+from interlens_mcore.grpo.loss.policy import POLICY_LOSSES, PolicyInputs
 
 
 def _check(logprobs, named: Mapping[str, torch.Tensor | None], logprobs_complete, num_tokens, num_sequences):

@@ -7,7 +7,7 @@ clipped ratio as a constant weight on the log-likelihood of every token, clipped
 Add one with `register_policy_loss`; `LossConfig(policy_loss=NAME)` then selects it:
 
     @register_policy_loss("reinforce")
-    def reinforce(inputs: PolicyInputs, config: LossConfig) -> PolicyTerms:
+    def reinforce(inputs: PolicyInputs, config: PolicyConfig) -> PolicyTerms:
         none = torch.zeros_like(inputs.valid)
         per_token = torch.where(inputs.valid, -inputs.advantages * inputs.logprobs, 0.0)
         return PolicyTerms(per_token=per_token, ratio=inputs.ratio(config).detach(),
@@ -18,14 +18,29 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from interlens_mcore.aggregation import broadcast, unit_means
+from .aggregation import broadcast, unit_means
 
-if TYPE_CHECKING:  # loss.py imports this module to check LossConfig.policy_loss
-    from interlens_mcore.loss import LossConfig
+
+class PolicyConfig(Protocol):
+    """The `LossConfig` fields the built-in policy losses read (a `LossConfig` is passed). A
+    protocol: `config` imports this module to check `LossConfig.policy_loss`, so this module
+    imports nothing of `config`."""
+
+    @property
+    def epsilon(self) -> float: ...
+
+    @property
+    def epsilon_high(self) -> float | None: ...
+
+    @property
+    def dual_clip(self) -> float | None: ...
+
+    @property
+    def log_ratio_clamp(self) -> float: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,7 +54,7 @@ class PolicyInputs:
     sample_ids: torch.Tensor  # [B, T] int64, sample owning each position; -1 on padding
     num_samples: int  # N: sample ids are 0..N-1
 
-    def ratio(self, config: LossConfig) -> torch.Tensor:
+    def ratio(self, config: PolicyConfig) -> torch.Tensor:
         """[B, T] pi / pi_old per token; the log-ratio is clamped so exp stays finite in fp32."""
         c = config.log_ratio_clamp
         return torch.exp((self.logprobs - self.old_logprobs).clamp(-c, c))
@@ -53,7 +68,7 @@ class PolicyTerms:
     dual_clipped: torch.Tensor  # [B, T] bool, tokens the dual-clip cap acted on
 
 
-PolicyLoss = Callable[[PolicyInputs, "LossConfig"], PolicyTerms]
+PolicyLoss = Callable[[PolicyInputs, PolicyConfig], PolicyTerms]
 POLICY_LOSSES: dict[str, PolicyLoss] = {}
 
 
@@ -73,7 +88,7 @@ def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
     return add
 
 
-def _clipped(ratio: torch.Tensor, inputs: PolicyInputs, config: LossConfig) -> PolicyTerms:
+def _clipped(ratio: torch.Tensor, inputs: PolicyInputs, config: PolicyConfig) -> PolicyTerms:
     """max(-A r, -A clip(r, 1 - eps, 1 + eps_high)), then for A < 0 at most -A * dual_clip."""
     adv, valid = inputs.advantages, inputs.valid
     eps_high = config.epsilon if config.epsilon_high is None else config.epsilon_high
@@ -91,13 +106,13 @@ def _clipped(ratio: torch.Tensor, inputs: PolicyInputs, config: LossConfig) -> P
 
 
 @register_policy_loss("vanilla")
-def vanilla(inputs: PolicyInputs, config: LossConfig) -> PolicyTerms:
+def vanilla(inputs: PolicyInputs, config: PolicyConfig) -> PolicyTerms:
     """PPO / GRPO: the token ratio pi / pi_old, clipped."""
     return _clipped(inputs.ratio(config), inputs, config)
 
 
 @register_policy_loss("gspo")
-def gspo(inputs: PolicyInputs, config: LossConfig) -> PolicyTerms:
+def gspo(inputs: PolicyInputs, config: PolicyConfig) -> PolicyTerms:
     """GSPO: s = exp(mean over the sample's tokens of log(pi / pi_old)), clipped per sequence.
 
     Written token-wise as s * pi / sg(pi): the value is s on every token of the sample, and with
@@ -114,7 +129,7 @@ def gspo(inputs: PolicyInputs, config: LossConfig) -> PolicyTerms:
 
 
 @register_policy_loss("cispo")
-def cispo(inputs: PolicyInputs, config: LossConfig) -> PolicyTerms:
+def cispo(inputs: PolicyInputs, config: PolicyConfig) -> PolicyTerms:
     """CISPO: -A * sg(min(r, 1 + eps_high)) * log pi on every token.
 
     The clip bounds the weight, not the update: clipped tokens still get a gradient (PPO's clip

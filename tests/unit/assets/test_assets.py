@@ -17,11 +17,12 @@ from interlens_mcore.assets import (
     transcript_ids,
 )
 from interlens_mcore.chat import ChatFormat
-from interlens_mcore.conversation import Conversation, Policy
-from interlens_mcore.costep import co_step
-from interlens_mcore.engine import Generation, HFEngine, SamplingParams
-from interlens_mcore.envs import GuessNumberTask, guess_tasks, reply_number
-from interlens_mcore.stop import MaxTurns
+from interlens_mcore.engines.base import Generation, SamplingParams
+from interlens_mcore.engines.hf import HFEngine
+from interlens_mcore.rollout.conversation import Conversation, Policy
+from interlens_mcore.rollout.costep import co_step
+from interlens_mcore.rollout.stop import MaxTurns
+from interlens_mcore.tasks.guess import GuessNumberTask, guess_tasks, reply_number
 
 
 class Replay:

@@ -26,9 +26,10 @@ from interlens_mcore.compat.swift import (
     rollout_trajectories,
     run,
 )
-from interlens_mcore.engine import Generation, HFEngine, SamplingParams
-from interlens_mcore.multiturn import MultiTurnError, MultiTurnValueError, ToolScheduler
-from interlens_mcore.trajectory import Status
+from interlens_mcore.engines.base import Generation, SamplingParams
+from interlens_mcore.engines.hf import HFEngine
+from interlens_mcore.rollout.multiturn import MultiTurnError, MultiTurnValueError, ToolScheduler
+from interlens_mcore.types import Status
 
 SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=5)
 
@@ -561,7 +562,7 @@ def test_plugin_file_with_one_changed_import(tmp_path, tokenizer):
 
 
 def test_missing_reward_is_reported_by_the_reward_function(tokenizer):
-    from interlens_mcore.rewards import RewardError, environment_reward
+    from interlens_mcore.grpo.rewards import RewardError, environment_reward
 
     engine = ScriptedEngine(tokenizer, lambda i, t: "x")
     trajectories = rollout_trajectories(

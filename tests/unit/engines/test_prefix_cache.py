@@ -13,7 +13,7 @@ from interlens_mcore import (
     SamplingParams,
     co_step,
 )
-from interlens_mcore.prefix_cache import PrefixCachingEngine
+from interlens_mcore.engines.prefix_cache import PrefixCachingEngine
 
 
 class Feedback(Environment):

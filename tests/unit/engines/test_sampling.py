@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from interlens_mcore import GenerationRequest, HFEngine, SamplingParams
-from interlens_mcore.prefix_cache import PrefixCachingEngine
-from interlens_mcore.sampling import Filters, apply_penalties, sample_full_vocab
+from interlens_mcore.engines.prefix_cache import PrefixCachingEngine
+from interlens_mcore.engines.sampler import Filters, apply_penalties, sample_full_vocab
 
 PROBS = [0.5, 0.3, 0.2]  # one row, three tokens
 

@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from interlens_mcore.advantages import group_advantages, trajectory_advantages
-from interlens_mcore.trajectory import Trajectory
+from interlens_mcore.grpo.advantages import group_advantages, trajectory_advantages
+from interlens_mcore.types import Trajectory
 
 
 def test_mean_centred_std_scaled():

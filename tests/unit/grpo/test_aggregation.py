@@ -2,7 +2,7 @@ import pytest
 import torch
 from test_loss import cfg, run
 
-from interlens_mcore.aggregation import aggregate, broadcast, unit_means, unit_sums
+from interlens_mcore.grpo.loss.aggregation import aggregate, broadcast, unit_means, unit_sums
 
 # On-policy, the fixture's per-token losses are -A = [-2, -2, -2 | 1, 1] (samples of 3 and 2).
 

@@ -5,8 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from interlens_mcore.batch import TrainingBatch, build_batch
-from interlens_mcore.trajectory import Trajectory, TurnSpan
+from interlens_mcore.grpo.batch import TrainingBatch, build_batch
+from interlens_mcore.types import Trajectory, TurnSpan
 
 
 def span(start, end):

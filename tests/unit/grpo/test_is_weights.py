@@ -4,9 +4,9 @@ import pytest
 import torch
 from test_loss import ADV, LP, MASK, ROLLOUT, SAMPLE, cfg, fixture_batch, prepass_run, run
 
-from interlens_mcore.is_weights import importance_weights, off_policy_sequence_mask, rejection_mask
-from interlens_mcore.loss import batch_loss
-from interlens_mcore.loss_mask import is_weight_sums, loss_token_mask
+from interlens_mcore.grpo.loss.is_weights import importance_weights, off_policy_sequence_mask, rejection_mask
+from interlens_mcore.grpo.loss.mask import is_weight_sums, loss_token_mask
+from interlens_mcore.grpo.loss.objective import batch_loss
 
 LN2 = math.log(2)
 # The fixture of test_loss: sample 0 (A = 2) is complete with log(pi_train / pi_rollout) =

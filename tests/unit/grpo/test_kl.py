@@ -4,7 +4,7 @@ import pytest
 import torch
 from test_loss import LP, cfg, run
 
-from interlens_mcore.kl import kl_penalty
+from interlens_mcore.grpo.loss.kl import kl_penalty
 
 LN2 = math.log(2)
 # d = log pi_ref - log pi = [ln 2, -ln 2, 0] at log pi = 0.

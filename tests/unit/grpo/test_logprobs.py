@@ -2,9 +2,9 @@ import math
 
 import pytest
 import torch
-from dist_utils import run_ranks
+from support.dist import run_ranks
 
-from interlens_mcore.logprobs import token_logprobs, vocab_parallel_token_logprobs
+from interlens_mcore.grpo.logprobs import token_logprobs, vocab_parallel_token_logprobs
 
 
 def test_token_logprobs_hand_values():

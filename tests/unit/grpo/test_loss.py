@@ -3,19 +3,19 @@ import math
 import pytest
 import torch
 
-from interlens_mcore.batch import TrainingBatch, block_causal_mask, build_batch
-from interlens_mcore.is_weights import importance_weights
-from interlens_mcore.logprobs import token_logprobs
-from interlens_mcore.loss import (
-    LossConfig,
+from interlens_mcore.grpo.batch import TrainingBatch, block_causal_mask, build_batch
+from interlens_mcore.grpo.logprobs import token_logprobs
+from interlens_mcore.grpo.loss.config import LossConfig
+from interlens_mcore.grpo.loss.is_weights import importance_weights
+from interlens_mcore.grpo.loss.mask import denominators, is_weight_sums, loss_token_mask
+from interlens_mcore.grpo.loss.objective import (
     batch_loss,
     empty_metrics,
     finalize_metrics,
     grpo_loss,
     merge_metrics,
 )
-from interlens_mcore.loss_mask import denominators, is_weight_sums, loss_token_mask
-from interlens_mcore.trajectory import Trajectory, TurnSpan
+from interlens_mcore.types import Trajectory, TurnSpan
 
 LN2 = math.log(2)
 

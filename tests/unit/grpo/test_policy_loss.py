@@ -4,7 +4,7 @@ import pytest
 import torch
 from test_loss import LP, cfg, ratios_old, run
 
-from interlens_mcore.policy_loss import POLICY_LOSSES, PolicyInputs, PolicyTerms, register_policy_loss
+from interlens_mcore.grpo.loss.policy import POLICY_LOSSES, PolicyInputs, PolicyTerms, register_policy_loss
 
 # The fixture of test_loss: samples 0 (tokens 0-2, A = 2) and 1 (tokens 3-4, A = -1), every
 # train logprob -1. Old logprobs give the token ratios pi / pi_old = [4, 0.5, 1 | 2, 0.5].

@@ -11,9 +11,9 @@ import math
 
 import pytest
 import torch
-from dist_utils import run_ranks
+from support.dist import run_ranks
 
-from interlens_mcore import parallel
+from interlens_mcore import distributed
 
 
 def test_ddp_config_reduces_in_fp32_with_our_overlap_options():
@@ -107,8 +107,8 @@ def test_layer_specs_hold_the_modules_they_name():
 )
 def test_pipeline_and_context_parallelism_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        parallel.check_layout(**kwargs)
-    parallel.check_layout(tp=2, world=4)  # TP x DP is fine
+        distributed.check_layout(**kwargs)
+    distributed.check_layout(tp=2, world=4)  # TP x DP is fine
 
 
 def _cpu_step_job(rank, world_size, path: str):
@@ -126,7 +126,7 @@ def _cpu_step_job(rank, world_size, path: str):
         layout = load_layout(path)
         model = build_model(layout, init_weights=False)
         load_hf_weights(model, layout, path)
-        groups = parallel.build_groups()
+        groups = distributed.build_groups()
         training = build_training(model, TrainingOptions(lr=1e-2, grad_clip=0.05), groups)
         logits = forward_logits(training.train_model, layout, seq)  # [1, T, V / tp]
         loss = tensor_parallel.vocab_parallel_cross_entropy(logits[0, :-1, None], seq[0, 1:, None]).mean()

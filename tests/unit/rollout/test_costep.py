@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from _fakes import Endless, Feedback, Recording
+from support.fakes import Endless, Feedback, Recording
 
 from interlens_mcore import (
     Conversation,
@@ -534,7 +534,7 @@ def test_outgrowing_the_context_ends_that_conversation_alone(tiny):
 def test_co_step_async_runs_inside_an_event_loop(tiny):
     import asyncio
 
-    from interlens_mcore.costep import co_step_async
+    from interlens_mcore.rollout.costep import co_step_async
 
     _, tok = tiny
     pol = Policy("agent", Endless(), tok, SamplingParams(max_new_tokens=1))

@@ -8,14 +8,14 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from dist_utils import run_ranks
+from support.dist import run_ranks
 
-from interlens_mcore.lockstep import (
+from interlens_mcore.engines.base import check_temperature
+from interlens_mcore.rollout.round import (
     Call,
     Driver,
     Need,
     aligned,
-    check_temperature,
     each,
     engine_registry,
     key_of,
@@ -24,7 +24,7 @@ from interlens_mcore.lockstep import (
     run_rounds,
     settle,
 )
-from interlens_mcore.vote import Ballot, RolloutError, RolloutValueError, local_gather
+from interlens_mcore.rollout.vote import Ballot, RolloutError, RolloutValueError, local_gather
 
 
 class Countdown(Driver):
@@ -173,9 +173,9 @@ def test_small_checks():
 
 
 def _two_rank_rounds(rank, world):
-    from interlens_mcore import parallel
+    from interlens_mcore import distributed
 
-    groups = parallel.build_groups(rollout="world", vote_timeout_s=60)
+    groups = distributed.build_groups(rollout="world", vote_timeout_s=60)
     # rank 0 works 1 round, rank 1 works 3; rank 1 fails in its 3rd local phase when asked to
     d = Countdown(1 if rank == 0 else 3)
     rounds = asyncio.run(run_rounds(d, gather_fn=groups.gather_fn(), rank=groups.rollout_rank))
@@ -196,15 +196,15 @@ def test_two_gloo_ranks_make_the_same_calls_and_fail_together():
 
 
 def _mixed_environments(rank, world, tiny_path):
-    from _fakes import Endless, Feedback
+    from support.fakes import Endless, Feedback
     from transformers import AutoTokenizer
 
-    from interlens_mcore import Conversation, MaxTurns, Policy, SamplingParams, co_step, parallel
+    from interlens_mcore import Conversation, MaxTurns, Policy, SamplingParams, co_step, distributed
 
     tok = AutoTokenizer.from_pretrained(tiny_path)
     engine = Endless()
     pol = Policy("agent", engine, tok, SamplingParams(max_new_tokens=2))
-    groups = parallel.build_groups(rollout="world", vote_timeout_s=60)
+    groups = distributed.build_groups(rollout="world", vote_timeout_s=60)
     # every conversation has an environment of its own name, different on each rank
     convs = [
         Conversation(

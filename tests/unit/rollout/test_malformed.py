@@ -15,10 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from interlens_mcore.chat import ChatFormat
-from interlens_mcore.conversation import Conversation, Environment, Policy
-from interlens_mcore.costep import co_step
-from interlens_mcore.engine import Generation, SamplingParams
-from interlens_mcore.multiturn import (
+from interlens_mcore.engines.base import Generation, SamplingParams
+from interlens_mcore.rollout.conversation import Conversation, Environment, Policy
+from interlens_mcore.rollout.costep import co_step
+from interlens_mcore.rollout.multiturn import (
     STEP_KEYS,
     TURN_END_KEYS,
     MultiTurnRequest,
@@ -27,9 +27,9 @@ from interlens_mcore.multiturn import (
     ToolScheduler,
     run_multi_turn,
 )
-from interlens_mcore.stop import MaxTurns
-from interlens_mcore.trajectory import Message, Status
-from interlens_mcore.vote import RolloutValueError
+from interlens_mcore.rollout.stop import MaxTurns
+from interlens_mcore.rollout.vote import RolloutValueError
+from interlens_mcore.types import Message, Status
 
 SETTINGS = settings(max_examples=60, deadline=None, database=None)
 CFG = SamplingParams(max_new_tokens=4)

@@ -5,21 +5,11 @@ from __future__ import annotations
 import math
 
 import torch
+from support.fakes import ForeignTrainer
 
-from interlens_mcore.conversation import Conversation, Scripted
-from interlens_mcore.engine import HFEngine
-from interlens_mcore.envs import GuessNumberTask, guess_tasks, reply_number
-from interlens_mcore.mixin import RolloutConfig, RolloutMixin
-from interlens_mcore.parallel import ParallelGroups
-from interlens_mcore.trajectory import Message
-
-
-class ForeignTrainer(RolloutMixin):
-    def __init__(self, model, tokenizer, **rollout):
-        self.engine = HFEngine(model, tokenizer)
-        self.tokenizer = tokenizer
-        self.groups = ParallelGroups(rank=0, world_size=1)
-        self.rollout_config = RolloutConfig(**{"max_new_tokens": 4, **rollout})
+from interlens_mcore.rollout.conversation import Conversation, Scripted
+from interlens_mcore.tasks.guess import GuessNumberTask, guess_tasks, reply_number
+from interlens_mcore.types import Message
 
 
 def test_groups_advantages_and_batches(tiny):
@@ -73,7 +63,7 @@ def test_guess_reward_shape():
 
 
 def test_scheduler_path(tiny):
-    from interlens_mcore.multiturn import ToolScheduler
+    from interlens_mcore.rollout.multiturn import ToolScheduler
 
     class WithTool(ForeignTrainer):
         def scheduler(self):
@@ -96,7 +86,7 @@ def test_scheduler_path(tiny):
 def test_scheduler_path_needs_a_reward(tiny):
     import pytest
 
-    from interlens_mcore.multiturn import ToolScheduler
+    from interlens_mcore.rollout.multiturn import ToolScheduler
 
     class NoReward(ForeignTrainer):
         def scheduler(self):

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from interlens_mcore.chat import ChatFormat
-from interlens_mcore.engine import HFEngine, SamplingParams
-from interlens_mcore.multiturn import (
+from interlens_mcore.engines.base import SamplingParams
+from interlens_mcore.engines.hf import HFEngine
+from interlens_mcore.rollout.multiturn import (
     EngineRollout,
     MultiTurnError,
     MultiTurnRequest,
@@ -20,8 +21,8 @@ from interlens_mcore.multiturn import (
     ToolScheduler,
     run_multi_turn,
 )
-from interlens_mcore.trajectory import Status
-from interlens_mcore.vote import Ballot, RolloutError
+from interlens_mcore.rollout.vote import Ballot, RolloutError
+from interlens_mcore.types import Status
 
 CFG = SamplingParams(temperature=1.0, max_new_tokens=6)
 LOGPROBS = [-0.5, -0.25, -0.125]
@@ -463,7 +464,7 @@ class Observing(ToolScheduler):
 
 
 def test_before_first_turn_rewrites_the_requests_before_turn_one(chat):
-    from interlens_mcore.multiturn import prepare_requests, prepare_requests_async
+    from interlens_mcore.rollout.multiturn import prepare_requests, prepare_requests_async
 
     scheduler = Observing(chat, tool)
     requests = prepare_requests(scheduler, make_requests(chat, 2))
@@ -516,7 +517,7 @@ def test_train_turns_choose_the_trained_rounds(chat, train, trained_turns):
 
 
 def test_run_multi_turn_async_inside_an_event_loop(chat):
-    from interlens_mcore.multiturn import run_multi_turn_async
+    from interlens_mcore.rollout.multiturn import run_multi_turn_async
 
     requests = make_requests(chat, 2)
     rollout = FakeRollout(chat)

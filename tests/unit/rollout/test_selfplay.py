@@ -6,14 +6,14 @@ import asyncio
 
 import pytest
 import torch
-from test_mixin import ForeignTrainer
+from support.fakes import ForeignTrainer
 
-from interlens_mcore.conversation import Conversation, Environment, Scripted
-from interlens_mcore.engine import HFEngine
-from interlens_mcore.envs import DuelTask, duel_tasks, guess_tasks
-from interlens_mcore.envs.duel import DuelReferee
+from interlens_mcore.engines.hf import HFEngine
+from interlens_mcore.rollout.conversation import Conversation, Environment, Scripted
 from interlens_mcore.tasks import DuelTasks, GuessTasks, resolve_task
-from interlens_mcore.trajectory import Message, Status
+from interlens_mcore.tasks.duel import DuelReferee, DuelTask, duel_tasks
+from interlens_mcore.tasks.guess import guess_tasks
+from interlens_mcore.types import Message, Status
 
 Trainer = ForeignTrainer  # an HF model, one process, no torch.distributed
 

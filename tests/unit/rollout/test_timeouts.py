@@ -13,16 +13,16 @@ import threading
 import time
 
 import pytest
-from dist_utils import run_ranks
+from support.dist import run_ranks
 
 from interlens_mcore.chat import ChatFormat
-from interlens_mcore.conversation import Conversation, Environment, Policy
-from interlens_mcore.costep import co_step
-from interlens_mcore.engine import Generation, SamplingParams
-from interlens_mcore.multiturn import MultiTurnRequest, ResponseChoice, ToolScheduler, run_multi_turn
-from interlens_mcore.stop import MaxTurns
-from interlens_mcore.trajectory import Message, Status
-from interlens_mcore.vote import RolloutError, RolloutValueError
+from interlens_mcore.engines.base import Generation, SamplingParams
+from interlens_mcore.rollout.conversation import Conversation, Environment, Policy
+from interlens_mcore.rollout.costep import co_step
+from interlens_mcore.rollout.multiturn import MultiTurnRequest, ResponseChoice, ToolScheduler, run_multi_turn
+from interlens_mcore.rollout.stop import MaxTurns
+from interlens_mcore.rollout.vote import RolloutError, RolloutValueError
+from interlens_mcore.types import Message, Status
 
 LIMIT = 0.5  # seconds; a fast step here takes well under a millisecond
 SLOW = 30.0  # what a slow step would take if nobody stopped waiting for it
@@ -293,13 +293,13 @@ def test_run_multi_turn_slow_hook_and_step_end_only_their_requests(tok):
 def _one_rank_times_out(rank, world, tiny_path, step_timeout_s):
     from transformers import AutoTokenizer
 
-    from interlens_mcore import parallel
+    from interlens_mcore import distributed
 
     tok = AutoTokenizer.from_pretrained(tiny_path)
     chat = ChatFormat(tok)
     gather = None
     if world > 1:
-        groups = parallel.build_groups(rollout="world", vote_timeout_s=60)
+        groups = distributed.build_groups(rollout="world", vote_timeout_s=60)
         gather, rank = groups.gather_fn(), groups.rollout_rank
     kw = {"gather_fn": gather} if gather else {}
     # rank 1's first conversation hangs at turn 4; everything else is fast

@@ -13,11 +13,17 @@ from collections.abc import Callable
 
 import pytest
 
-from interlens_mcore.conversation import Conversation, Environment
-from interlens_mcore.costep import co_step
-from interlens_mcore.envs import GuessNumber, GuessNumberTask, guess_tasks, reply_number
-from interlens_mcore.envs.guess import game_reward, game_state
-from interlens_mcore.stop import MaxTurns
+from interlens_mcore.rollout.conversation import Conversation, Environment
+from interlens_mcore.rollout.costep import co_step
+from interlens_mcore.rollout.stop import MaxTurns
+from interlens_mcore.tasks.guess import (
+    GuessNumber,
+    GuessNumberTask,
+    game_reward,
+    game_state,
+    guess_tasks,
+    reply_number,
+)
 
 Strategy = Callable[[GuessNumberTask, list[tuple[int | None, str]], random.Random], str]
 

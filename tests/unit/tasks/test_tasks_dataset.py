@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from task_utils import play
+from support.play import play
 
-from interlens_mcore.engine import HFEngine
+from interlens_mcore.engines.hf import HFEngine
 from interlens_mcore.tasks import dataset as ds_tasks
 from interlens_mcore.tasks.dataset import prompt_messages
 
@@ -138,9 +138,9 @@ def test_the_reward_function_of_docs_tasks_md(tmp_path):
     import re
     from pathlib import Path
 
-    from interlens_mcore.trajectory import Trajectory
+    from interlens_mcore.types import Trajectory
 
-    text = (Path(__file__).resolve().parents[1] / "docs" / "tasks.md").read_text()
+    text = (Path(__file__).resolve().parents[3] / "docs" / "tasks.md").read_text()
     [block] = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     scope: dict = {}
     exec(block, scope)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from task_utils import ScriptEngine, play, scored
+from support.fakes import ScriptEngine
+from support.play import play, scored
 
-from interlens_mcore.engine import HFEngine
-from interlens_mcore.rewards import environment_reward
+from interlens_mcore.engines.hf import HFEngine
+from interlens_mcore.grpo.rewards import environment_reward
 from interlens_mcore.tasks import reasoning_gym as rg
 from interlens_mcore.tasks.reasoning_gym import AnswerRule
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_mixin import ForeignTrainer
+from support.fakes import ForeignTrainer
 
 from interlens_mcore.tasks import dataset as ds_tasks
 from interlens_mcore.tasks.families import make_source

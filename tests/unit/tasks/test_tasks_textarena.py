@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from task_utils import ScriptEngine, play, scored
+from support.fakes import ScriptEngine
+from support.play import play, scored
 
-from interlens_mcore.conversation import Policy
-from interlens_mcore.engine import HFEngine
-from interlens_mcore.rewards import environment_reward
+from interlens_mcore.engines.hf import HFEngine
+from interlens_mcore.grpo.rewards import environment_reward
+from interlens_mcore.rollout.conversation import Policy
 from interlens_mcore.tasks import textarena as ta_tasks
 from interlens_mcore.tasks.textarena import REFUSED, RandomMover
 
@@ -91,8 +92,8 @@ def test_move_limit_is_a_draw(tiny):
 
 
 def test_random_mover_picks_a_listed_move():
-    from interlens_mcore.conversation import Conversation
-    from interlens_mcore.trajectory import Message
+    from interlens_mcore.rollout.conversation import Conversation
+    from interlens_mcore.types import Message
 
     conv = Conversation([RandomMover("player_1")], id="c")
     conv.messages.append(Message(speaker="arena_1", content="e.g. '[9]'\nAvailable Moves: '[2]', '[5]'"))

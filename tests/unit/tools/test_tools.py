@@ -9,11 +9,12 @@ import time
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from task_utils import ScriptEngine, play
+from support.fakes import ScriptEngine
+from support.play import play
 
-from interlens_mcore.conversation import Conversation, Scripted
-from interlens_mcore.costep import co_step
-from interlens_mcore.stop import MaxTurns
+from interlens_mcore.rollout.conversation import Conversation, Scripted
+from interlens_mcore.rollout.costep import co_step
+from interlens_mcore.rollout.stop import MaxTurns
 from interlens_mcore.tasks import dataset as ds_tasks
 from interlens_mcore.tasks import textarena as ta_tasks
 from interlens_mcore.tools import (
@@ -27,7 +28,7 @@ from interlens_mcore.tools import (
     with_tools,
 )
 from interlens_mcore.tools.examples import calculator, python_eval
-from interlens_mcore.trajectory import Status
+from interlens_mcore.types import Status
 
 
 def add(a: int, b: int) -> int:
@@ -290,7 +291,7 @@ def test_gym_with_tools_keeps_the_episode(tiny):
 
 
 def test_tiny_model_rollout_with_tools(tiny):
-    from interlens_mcore.engine import HFEngine
+    from interlens_mcore.engines.hf import HFEngine
     from interlens_mcore.tasks import reasoning_gym as rg
 
     model, tok = tiny

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from interlens_mcore.rewards import RewardError, WeightedRewards, environment_reward
-from interlens_mcore.trajectory import Trajectory
-from trainers.report import Reporter, read_jsonl
+from interlens_mcore.grpo.rewards import RewardError, WeightedRewards, environment_reward
+from interlens_mcore.types import Trajectory
+from trainers.report.reporter import Reporter, read_jsonl
 
 
 def _records(n: int) -> list[dict]:
@@ -95,8 +95,8 @@ def test_weights_combine_and_each_part_is_kept():
 
 
 def test_wilson_interval_and_the_summary_that_shows_it(tmp_path):
-    from trainers.record import wilson_interval
-    from trainers.report import summary
+    from trainers.report.record import wilson_interval
+    from trainers.report.reporter import summary
 
     # textbook values: 50 of 100 -> [0.404, 0.596]; 0 of 10 -> [0, 0.278]; 10 of 10 -> [0.722, 1]
     assert wilson_interval(0.5, 100) == pytest.approx((0.4038, 0.5962), abs=1e-4)
