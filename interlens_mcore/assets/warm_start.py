@@ -55,7 +55,6 @@ class WarmStart:
         )
 
 
-
 class Guesser(Environment):
     """Plays the policy's seat of guess-a-number from a script: the binary-search move with
     probability `binary_share`, else a uniformly random number of the range (answers ignored)."""
@@ -73,7 +72,6 @@ class Guesser(Environment):
         return str((state.low + state.high) // 2)
 
 
-
 def guess_transcripts(n: int, *, seed: int, binary_share: float) -> list[list[Message]]:
     """`n` games of guess-a-number played by a `Guesser`, as message lists (prompt included)."""
     convs = []
@@ -82,7 +80,6 @@ def guess_transcripts(n: int, *, seed: int, binary_share: float) -> list[list[Me
         convs.append(Conversation(lineup, prompt=task.prompt(), run_until=MaxTurns(task.max_turns)))
     co_step(convs, turns=None)
     return [[*c.prompt, *c.messages] for c in convs]
-
 
 
 def transcript_ids(chat: ChatFormat, messages: list[Message]) -> tuple[list[int], list[int]]:
@@ -104,7 +101,6 @@ def transcript_ids(chat: ChatFormat, messages: list[Message]) -> tuple[list[int]
             ids += piece
             mask += [0] * len(piece)
     return ids, mask
-
 
 
 def supervised_phase(
@@ -131,7 +127,6 @@ def supervised_phase(
     return losses
 
 
-
 def _supervised_step(model, optimizer, sequences, pad_id: int, batch: int, gen) -> float:
     import torch
 
@@ -148,7 +143,6 @@ def _supervised_step(model, optimizer, sequences, pad_id: int, batch: int, gen) 
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss.item()
-
 
 
 def ensure_default_policy(path: str | Path | None = None, recipe: WarmStart = WarmStart()) -> Path:

@@ -28,7 +28,6 @@ class Block:
     shapes: tuple[tuple[int, ...], ...]
 
 
-
 def _sharded_tensor(block: Block, group: Any) -> Any:
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
@@ -51,12 +50,10 @@ def _sharded_tensor(block: Block, group: Any) -> Any:
     return ShardedTensor._init_from_local_shards_and_global_metadata(local, sharded_tensor_metadata=st_meta)
 
 
-
 def _dcp_state(blocks: dict[str, Block], plain: dict[str, Any], group: Any) -> dict[str, Any]:
     if not is_initialized():
         raise ValueError("sharded checkpoints need torch.distributed (call distributed.init_distributed())")
     return {**plain, **{k: _sharded_tensor(b, group) for k, b in blocks.items()}}
-
 
 
 @contextmanager
@@ -66,7 +63,6 @@ def _quiet_sharded_tensor():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*DTensor instead.*ShardedTensor", category=FutureWarning)
         yield
-
 
 
 def save_sharded(
@@ -84,7 +80,6 @@ def save_sharded(
         dcp.save(_dcp_state(blocks, plain, group), checkpoint_id=str(folder))
 
 
-
 def saved_shapes(folder: str | Path) -> dict[str, tuple[int, ...] | None]:
     """Global shape of every tensor in a sharded checkpoint (None for a non-tensor entry)."""
     from torch.distributed.checkpoint import FileSystemReader
@@ -92,7 +87,6 @@ def saved_shapes(folder: str | Path) -> dict[str, tuple[int, ...] | None]:
 
     metadata = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
     return {k: tuple(m.size) if isinstance(m, TensorStorageMetadata) else None for k, m in metadata.items()}
-
 
 
 def load_sharded(

@@ -30,7 +30,6 @@ class WorldFailure(RuntimeError):
         super().__init__(message)
 
 
-
 def world_check_group(*, timeout_s: float) -> Any:
     """A gloo group over the whole world with its own timeout, for `check_world` (collective).
 
@@ -40,7 +39,6 @@ def world_check_group(*, timeout_s: float) -> Any:
     if not is_initialized():
         return None
     return dist.new_group(list(range(world_size())), backend="gloo", timeout=timedelta(seconds=timeout_s))
-
 
 
 def check_world(error: BaseException | None, group: Any = None) -> None:

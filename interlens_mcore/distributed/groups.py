@@ -30,7 +30,6 @@ def megatron_tp_group() -> Any:
     return parallel_state.get_tensor_model_parallel_group()
 
 
-
 @dataclass(frozen=True)
 class ParallelGroups:
     """Who this rank works with. Groups are torch ProcessGroups (None: the world / trivial)."""
@@ -68,7 +67,6 @@ class ParallelGroups:
         return gather
 
 
-
 def side_groups(group: Any, *, timeout_s: float) -> Any:
     """A gloo group over the same ranks as `group` (this rank's one), with its own timeout.
 
@@ -86,7 +84,6 @@ def side_groups(group: Any, *, timeout_s: float) -> Any:
         if ranks == mine:
             out = g
     return out
-
 
 
 def build_groups(
@@ -134,7 +131,6 @@ def build_groups(
     )
 
 
-
 def _single_rank_group() -> Any:
     # one group per rank, created in the same order everywhere
     out = None
@@ -143,7 +139,6 @@ def _single_rank_group() -> Any:
         if r == rank():
             out = g
     return out
-
 
 
 def init_distributed(*, timeout_s: float = 1800.0) -> None:
@@ -185,14 +180,12 @@ def init_distributed(*, timeout_s: float = 1800.0) -> None:
     )
 
 
-
 def _free_port() -> int:
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
 
 
 def init_megatron(tensor_parallel_size: int, *, timeout_s: float = 1800.0) -> None:
@@ -209,7 +202,6 @@ def init_megatron(tensor_parallel_size: int, *, timeout_s: float = 1800.0) -> No
         )
 
 
-
 def destroy() -> None:
     """Tear down megatron's parallel_state (if set) and the process group."""
     from megatron.core import parallel_state as ps
@@ -218,7 +210,6 @@ def destroy() -> None:
         ps.destroy_model_parallel()
     if is_initialized():
         dist.destroy_process_group()
-
 
 
 def check_layout(*, tp: int, pp: int = 1, cp: int = 1, world: int | None = None) -> None:
