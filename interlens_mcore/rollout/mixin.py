@@ -6,7 +6,7 @@ A trainer mixes it in and sets four attributes::
         def __init__(self, ...):
             self.engine = HFEngine(model, tokenizer)          # anything with Engine's protocol
             self.tokenizer = tokenizer
-            self.groups = parallel.build_groups(rollout="data_parallel")
+            self.groups = distributed.build_groups(rollout="data_parallel")
             self.rollout_config = RolloutConfig(num_generations=8)
 
     rollout = trainer.generate_rollouts(rows, step)            # rewards and advantages set
@@ -41,7 +41,7 @@ class RolloutMixin:
 
     engine: Any
     tokenizer: Any
-    groups: Any  # parallel.ParallelGroups
+    groups: Any  # distributed.ParallelGroups
     rollout_config: RolloutConfig
     reward_fns: Sequence[Any] = (environment_reward,)
     frozen_seats: tuple[str, ...] = ()
