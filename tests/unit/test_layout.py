@@ -135,10 +135,12 @@ def test_no_import_cycle():
 
 
 def test_at_most_twelve_modules_in_a_folder():
+    # a package's __init__.py is not counted (34 modules sat flat in interlens_mcore/ before
+    # the layout, its __init__.py aside)
     counts = {}
     for package in PACKAGES:
         for folder in [ROOT / package, *(p for p in (ROOT / package).rglob("*") if p.is_dir())]:
-            n = len(list(folder.glob("*.py")))
+            n = len([p for p in folder.glob("*.py") if p.name != "__init__.py"])
             if n:
                 counts[str(folder.relative_to(ROOT))] = n
     print("\nmodules per folder:", dict(sorted(counts.items(), key=lambda kv: -kv[1])))
