@@ -19,7 +19,7 @@ setup(
     ],
     extras_require={
         "megatron": ["megatron-core==0.16.1"],
-        # SmolLM2-135M-Instruct from its GGUF file (interlens_mcore.assets_smollm2)
+        # SmolLM2-135M-Instruct from its GGUF file (interlens_mcore.assets.smollm2)
         "smollm2": ["gguf>=0.10", "accelerate>=1.0"],
         "deepspeed": ["deepspeed>=0.19,<0.20"],
         "test": ["pytest>=8", "hypothesis>=6", "ruff"],

@@ -93,18 +93,18 @@ def one_model(name: str, args) -> dict:
     import torch
     from megatron.core import parallel_state
 
-    from interlens_mcore import HFEngine, parallel
+    from interlens_mcore import HFEngine, distributed
     from interlens_mcore.assets import ensure_tiny_model, load_tiny
+    from interlens_mcore.engines.prefix_cache import PrefixCachingEngine
+    from interlens_mcore.engines.vllm import VLLMConfig, VLLMEngine
+    from interlens_mcore.engines.weight_sync import hf_tensors, megatron_hf_tensors
     from interlens_mcore.megatron import MegatronEngine, build_model, load_hf_weights, load_layout
-    from interlens_mcore.prefix_cache import PrefixCachingEngine
-    from interlens_mcore.vllm_engine import VLLMConfig, VLLMEngine
-    from interlens_mcore.weight_sync import hf_tensors, megatron_hf_tensors
 
     torch.set_num_threads(args.threads)
     path = ensure_tiny_model(**MODELS[name]) if MODELS[name] else ensure_tiny_model()
     model, tok = load_tiny(path)
     out: dict = {"params": sum(p.numel() for p in model.parameters())}
-    parallel.init_distributed()  # a one-rank world: megatron's TP group and vLLM's launcher share it
+    distributed.init_distributed()  # a one-rank world: megatron's TP group and vLLM's launcher share it
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     layout = load_layout(path)
     mcore = build_model(layout, init_weights=False)

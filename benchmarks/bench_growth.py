@@ -16,7 +16,7 @@ from common import emit, make_convs, stop_free_policy, timed
 
 from interlens_mcore import HFEngine, co_step
 from interlens_mcore.assets import load_tiny
-from interlens_mcore.prefix_cache import PrefixCachingEngine
+from interlens_mcore.engines.prefix_cache import PrefixCachingEngine
 
 
 def wall(engine, tok, n: int, turns: int, max_new: int) -> float:

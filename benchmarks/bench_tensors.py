@@ -28,10 +28,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from interlens_mcore.assets import load_tiny  # noqa: E402
-from interlens_mcore.batch import TrainingBatch, build_batch  # noqa: E402
-from interlens_mcore.logprobs import token_logprobs  # noqa: E402
-from interlens_mcore.loss import LossConfig, finalize_metrics, grpo_loss, merge_metrics  # noqa: E402
-from interlens_mcore.trajectory import Trajectory, TurnSpan  # noqa: E402
+from interlens_mcore.grpo.batch import TrainingBatch, build_batch  # noqa: E402
+from interlens_mcore.grpo.logprobs import token_logprobs  # noqa: E402
+from interlens_mcore.grpo.loss.config import LossConfig
+from interlens_mcore.grpo.loss.objective import finalize_metrics, grpo_loss, merge_metrics  # noqa: E402
+from interlens_mcore.types import Trajectory, TurnSpan  # noqa: E402
 
 
 def make_trajectories(n: int, turns: int, vocab: int, seed: int) -> list[Trajectory]:

@@ -3,8 +3,8 @@
     torchrun --nproc_per_node=2 benchmarks/bench_train_step.py --backend megatron --tp 1 --json
     torchrun --nproc_per_node=2 benchmarks/bench_train_step.py --backend deepspeed --zero-stage 3 --json
 
-Builds the trainer exactly as launch/train_grpo.py does (launch/cli.py and launch/build.py) and
-times its phases by wrapping them on the instance; the trainer is not changed.
+Builds the trainer exactly as launch/train_grpo.py does (interlens_mcore.cli.args and .build)
+and times its phases by wrapping them on the instance; the trainer is not changed.
 The first step is a warm-up; medians over the rest. Rank 0 prints one JSON object last.
 Other options are passed through to launch/train_grpo.py's parser (e.g. --batch-size 16).
 """
@@ -12,21 +12,17 @@ Other options are passed through to launch/train_grpo.py's parser (e.g. --batch-
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from collections import defaultdict
 
 import torch
-from common import ROOT, emit, median
+from common import emit, median
 
-sys.path.insert(0, str(ROOT / "launch"))
-
-from build import build_trainer, check  # noqa: E402
-from cli import parse  # noqa: E402
-
-import trainers.grpo  # noqa: E402
-from interlens_mcore import parallel  # noqa: E402
+import trainers.grpo
+from interlens_mcore import distributed
+from interlens_mcore.cli.args import parse
+from interlens_mcore.cli.build import build_trainer, check
 
 # what each timed call counts toward
 BACKEND_PHASES = {
@@ -89,24 +85,24 @@ def main(argv: list[str] | None = None) -> dict | None:
     opts = parse([*flags, "--output-dir", out_dir], "bench")
     source = check(opts)
     torch.set_num_threads(1)  # ranks share the cores, as in launch/train_grpo.py
-    parallel.init_distributed(timeout_s=opts.trainer.collective_timeout_s)
+    distributed.init_distributed(timeout_s=opts.trainer.collective_timeout_s)
     try:
         trainer = build_trainer(opts, source)
         steps, walls = instrument(trainer)
         trainer.train()
         b = opts.backend
-        label = f"megatron tp={b.tp} dp={parallel.world_size() // b.tp}"
+        label = f"megatron tp={b.tp} dp={distributed.world_size() // b.tp}"
         if b.backend == "deepspeed":
-            label = f"deepspeed zero-{b.zero_stage} dp={parallel.world_size()}"
-        out = {"config": label, "ranks": parallel.world_size(), "steps": args.steps}
+            label = f"deepspeed zero-{b.zero_stage} dp={distributed.world_size()}"
+        out = {"config": label, "ranks": distributed.world_size(), "steps": args.steps}
         out.update(
             batch_size=opts.trainer.batch_size,
             num_generations=opts.rollout.num_generations,
             **summarize(steps, walls),
         )
-        return emit(out, args.json) if parallel.rank() == 0 else None
+        return emit(out, args.json) if distributed.rank() == 0 else None
     finally:
-        parallel.destroy()
+        distributed.destroy()
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import torch
 from common import ROOT, emit
 
 from interlens_mcore.assets import ensure_tiny_model
-from interlens_mcore.envs.guess import guess_tasks
+from interlens_mcore.tasks.guess import guess_tasks
 
 
 def trl_step_seconds(steps: int, batch: int, gens: int, max_new: int) -> tuple[list[float], str]:

@@ -4,7 +4,7 @@
 
 Each rank co-steps its own conversations on the tiny model; rank r's run for turns + r policy
 turns, so the ranks finish in different rounds and the idle one keeps voting. The vote is
-`parallel.build_groups(rollout="world").gather_fn()` (gloo side group), timed by wrapping it.
+`distributed.build_groups(rollout="world").gather_fn()` (gloo side group), timed by wrapping it.
 Before each vote a barrier lines the ranks up, so the vote's own cost is timed apart from
 the wait for the slower rank (`wait_ms_per_round`, load imbalance, not counted as vote).
 Rank 0 prints one JSON object as the last line.
@@ -18,7 +18,7 @@ import time
 import torch
 from common import emit, make_convs, median, stop_free_policy
 
-from interlens_mcore import HFEngine, co_step, parallel
+from interlens_mcore import HFEngine, co_step, distributed
 from interlens_mcore.assets import load_tiny
 
 
@@ -31,7 +31,7 @@ def timed_gather(gather, group):
 
     def wrapped(items):
         t0 = time.perf_counter()
-        parallel.barrier(group)
+        distributed.barrier(group)
         t1 = time.perf_counter()
         out = gather(items)
         wrapped.waits.append(t1 - t0)
@@ -50,16 +50,16 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # the ranks share the cores
-    parallel.init_distributed()
+    distributed.init_distributed()
     try:
-        groups = parallel.build_groups(rollout="world")
+        groups = distributed.build_groups(rollout="world")
         model, tok = load_tiny()
         engine = HFEngine(model, tok)
         policy = stop_free_policy(engine, tok, args.max_new_tokens)
         co_step(make_convs(policy, 2, 1, tag="warm"), gather_fn=groups.gather_fn(), rank=groups.rank)
         gather = timed_gather(groups.gather_fn(), groups.vote)
         convs = make_convs(policy, args.conversations, args.turns + groups.rank, tag=f"r{groups.rank}-")
-        parallel.barrier()
+        distributed.barrier()
         t0 = time.perf_counter()
         co_step(convs, gather_fn=gather, rank=groups.rank)
         wall = time.perf_counter() - t0 - sum(gather.waits)  # the rollout without the barriers
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         }
         return emit(out, args.json) if groups.rank == 0 else None
     finally:
-        parallel.destroy()
+        distributed.destroy()
 
 
 if __name__ == "__main__":

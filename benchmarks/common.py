@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from interlens_mcore import ChatFormat, Conversation, Environment, MaxTurns, Message, Policy, SamplingParams  # noqa: E402
-from interlens_mcore.conversation import Participant  # noqa: E402
+from interlens_mcore.rollout.conversation import Participant  # noqa: E402
 
 
 class Feedback(Environment):

@@ -38,11 +38,11 @@ def _free_port() -> int:
 def _rank(rank: int, port: int, case: str, kill_file: str, queue) -> None:
     import torch.distributed as dist
 
-    from interlens_mcore import parallel
+    from interlens_mcore import distributed
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=1800))
-    group = parallel.world_check_group(timeout_s=1800) if case == "check_world" else None
+    group = distributed.world_check_group(timeout_s=1800) if case == "check_world" else None
     dist.barrier()
     if rank == 1:
         time.sleep(1.0)  # rank 0 is blocked in the collective by now (or computing, when late)
@@ -57,7 +57,7 @@ def _rank(rank: int, port: int, case: str, kill_file: str, queue) -> None:
             out = [None, None]
             dist.all_gather_object(out, {"rank": rank})
         else:
-            parallel.check_world(None, group)
+            distributed.check_world(None, group)
         queue.put(("returned", time.time()))
     except BaseException as exc:  # what the user would read as the last line
         queue.put((f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}", time.time()))

@@ -33,7 +33,7 @@ from interlens_mcore import (
     co_step,
     run_multi_turn,
 )
-from interlens_mcore.vote import GatherFn
+from interlens_mcore.rollout.vote import GatherFn
 
 DRIVERS = ("co_step", "run_multi_turn")
 MAX_POLICY_TURNS = 5

@@ -45,7 +45,7 @@ from common import emit
 from soak_checks import Recorder
 from soak_plan import DRIVERS, Context, Plan, make_plan, run_once
 
-from interlens_mcore import ChatFormat, HFEngine, parallel
+from interlens_mcore import ChatFormat, HFEngine, distributed
 from interlens_mcore.assets import load_tiny
 
 # counters kept per driver; the ones after the first three are summed straight from RankResult
@@ -205,9 +205,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     torch.set_num_threads(1)  # the ranks share the cores
     # torchrun stops the other ranks with SIGTERM when one exits: show where they were
     faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
-    parallel.init_distributed(timeout_s=args.run_deadline_s)
+    distributed.init_distributed(timeout_s=args.run_deadline_s)
     try:
-        groups = parallel.build_groups(rollout="world", vote_timeout_s=args.vote_timeout_s)
+        groups = distributed.build_groups(rollout="world", vote_timeout_s=args.vote_timeout_s)
         rank, world = groups.rollout_rank, groups.world_size
         model, tok = load_tiny(args.model)
         # forwards in lockstep over the ranks: a misaligned engine call hangs instead of passing
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         for run in range(args.runs):
             plan = make_plan(args.seed, run, world, args.p_fail, args.engine_failures)
             watchdog.arm(run)
-            results = parallel.all_gather_object(asdict(run_once(plan, ctx)))
+            results = distributed.all_gather_object(asdict(run_once(plan, ctx)))
             watchdog.disarm()
             notes = totals.add(plan, results)
             if rank == 0:
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         out = totals.summary(ranks=world)
         return emit(out, args.json) if rank == 0 else None
     finally:
-        parallel.destroy()
+        distributed.destroy()
 
 
 if __name__ == "__main__":

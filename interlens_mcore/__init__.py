@@ -1,14 +1,17 @@
 """interlens_mcore: multi-turn, multi-party colocated rollouts for GRPO training."""
 
-from .advantages import group_advantages
-from .batch import TrainingBatch, build_batch
 from .chat import ChatFormat
-from .conversation import Conversation, Environment, Participant, Policy, Scripted
-from .costep import co_step, co_step_async, schedule_signature
-from .engine import Engine, Generation, GenerationRequest, HFEngine, SamplingParams
-from .loss import LossConfig, grpo_loss
-from .mixin import RolloutMixin
-from .multiturn import (
+from .distributed import ParallelGroups, build_groups
+from .engines.base import Engine, Generation, GenerationRequest, SamplingParams
+from .engines.hf import HFEngine
+from .grpo.advantages import group_advantages
+from .grpo.batch import TrainingBatch, build_batch
+from .grpo.loss.config import LossConfig
+from .grpo.loss.objective import grpo_loss
+from .rollout.conversation import Conversation, Environment, Participant, Policy, Scripted
+from .rollout.costep import co_step, co_step_async, schedule_signature
+from .rollout.mixin import RolloutMixin
+from .rollout.multiturn import (
     EngineRollout,
     MultiTurnError,
     MultiTurnRequest,
@@ -21,10 +24,9 @@ from .multiturn import (
     run_multi_turn,
     run_multi_turn_async,
 )
-from .parallel import ParallelGroups, build_groups
-from .stop import AnyOf, MaxTurns, Predicate, StopCondition, TokenBudget, stop_when
-from .trajectory import Message, Status, Trajectory, TurnSpan
-from .vote import RolloutError, RolloutValueError
+from .rollout.stop import AnyOf, MaxTurns, Predicate, StopCondition, TokenBudget, stop_when
+from .rollout.vote import RolloutError, RolloutValueError
+from .types import Message, Status, Trajectory, TurnSpan
 
 __all__ = [
     "AnyOf",

@@ -4,9 +4,22 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from typing import Any
+
+
+def working_directory_importable() -> None:
+    """Put the working directory first on sys.path, as `python -m` does, unless it is there.
+
+    The launch scripts call this (through `cli.args.parse`): a `MODULE:NAME` on their command
+    line (--task, --reward, --tools, --multi-turn-scheduler) may name a module next to where
+    the user runs them, while Python puts only the script's own folder on the path.
+    """
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
 
 
 def load_object(spec: str, *, what: str) -> Any:

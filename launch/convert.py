@@ -23,9 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-# the repository root, for `interlens_mcore` and `trainers` when the package is not installed
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 PROG = "convert.py"
 
 
@@ -117,19 +114,19 @@ def _check_heads(conv: Conversion) -> None:
 
 def convert(conv: Conversion) -> Path:
     """Collective: write `conv.target` from `conv.source` (through a temporary folder)."""
-    from interlens_mcore import parallel
+    from interlens_mcore import distributed
     from interlens_mcore.megatron import hf_to_megatron, megatron_to_hf
 
     tmp = conv.target.parent / f".{conv.target.name}.tmp"
-    if parallel.rank() == 0:
+    if distributed.rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    parallel.barrier()
+    distributed.barrier()
     if conv.direction == "hf_to_megatron":
         hf_to_megatron(conv.source, tmp)
     else:
         megatron_to_hf(conv.source, tmp)
-    if parallel.rank() == 0:
+    if distributed.rank() == 0:
         if conv.direction == "hf_to_megatron":
             from trainers.checkpoint import META, write_manifest
 
@@ -139,7 +136,7 @@ def convert(conv: Conversion) -> Path:
         if conv.target.exists():
             conv.target.rmdir()  # empty, as parse() checked
         os.replace(tmp, conv.target)
-    parallel.barrier()
+    distributed.barrier()
     return conv.target
 
 
@@ -152,17 +149,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch
 
-    from interlens_mcore import parallel
+    from interlens_mcore import distributed
 
     torch.set_num_threads(1)  # ranks share the cores
-    parallel.init_distributed()
+    distributed.init_distributed()
     try:
-        parallel.init_megatron(conv.tp)
+        distributed.init_megatron(conv.tp)
         out = convert(conv)
-        if parallel.rank() == 0:
+        if distributed.rank() == 0:
             print(f"{PROG}: wrote {out} ({conv.direction}, TP={conv.tp})", file=sys.stderr)
     finally:
-        parallel.destroy()
+        distributed.destroy()
     return 0
 
 

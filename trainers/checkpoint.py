@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from interlens_mcore import parallel
+from interlens_mcore import distributed
 
 PREFIX, TMP_PREFIX, CORRUPT_PREFIX = "step-", ".tmp-step-", "corrupt-step-"
 MANIFEST, META = "manifest.json", "meta.json"
@@ -41,14 +41,14 @@ def step_dir(root: Path, step: int) -> Path:
 def save(root: Path, step: int, write: Callable[[Path], None], *, meta: dict, keep: int = 2) -> Path:
     """Collective: `write(tmp_folder)` on every rank, then publish as `step-NNNNNN`."""
     tmp = root / f"{TMP_PREFIX}{step:06d}"
-    if parallel.rank() == 0:
+    if distributed.rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    parallel.barrier()
+    distributed.barrier()
     write(tmp)
-    parallel.barrier()  # every rank's files are on disk before the folder is published
+    distributed.barrier()  # every rank's files are on disk before the folder is published
     final = step_dir(root, step)
-    if parallel.rank() == 0:
+    if distributed.rank() == 0:
         write_manifest(tmp)
         (tmp / META).write_text(json.dumps({"step": step, **meta}))
         shutil.rmtree(final, ignore_errors=True)
@@ -56,7 +56,7 @@ def save(root: Path, step: int, write: Callable[[Path], None], *, meta: dict, ke
         older = sorted(p for p in root.iterdir() if p.name.startswith(PREFIX) and p != final)
         for p in older[: max(0, len(older) - (keep - 1))]:
             shutil.rmtree(p, ignore_errors=True)
-    parallel.barrier()
+    distributed.barrier()
     return final
 
 
@@ -151,7 +151,7 @@ def _free_name(root: Path, name: str) -> str:
 
 def clean_stale(root: Path) -> None:
     """Remove temporary folders a killed run left behind (rank 0 only; call before a barrier)."""
-    if parallel.rank() == 0 and root.is_dir():
+    if distributed.rank() == 0 and root.is_dir():
         for p in root.iterdir():
             if p.name.startswith(TMP_PREFIX):
                 shutil.rmtree(p, ignore_errors=True)

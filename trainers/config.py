@@ -1,6 +1,6 @@
 """`TrainerConfig` (the GRPO loop, its optimizer, outputs and logging) and `BackendConfig`.
 
-These dataclasses are the one source of the options: `launch/cli.py` generates the command line
+These dataclasses are the one source of the options: `interlens_mcore/cli/args.py` generates the command line
 and the YAML keys from them (field name = option name), so a default here is the default
 everywhere. Runtime objects (model, groups, tokenizer) are constructor arguments, never fields.
 """

@@ -11,9 +11,9 @@ One step, on every rank::
     backend.sync_engine_weights()                        # a colocated vLLM gets the new weights
     log; checkpoint every save_every steps
 
-Extension points (none of them a subclass of this class): the `Backend` (trainers.backend), the
-`TaskSource` (interlens_mcore.tasks), the reward functions (interlens_mcore.rewards) and
-`loss_fn` (same signature as `interlens_mcore.loss.batch_loss`).
+Extension points (none of them a subclass of this class): the `Backend` (trainers.backends), the
+`TaskSource` (interlens_mcore.tasks), the reward functions (interlens_mcore.grpo.rewards) and
+`loss_fn` (same signature as `interlens_mcore.grpo.loss.objective.batch_loss`).
 """
 
 from __future__ import annotations
@@ -27,18 +27,26 @@ from typing import Any
 
 import torch
 
-from interlens_mcore import parallel
-from interlens_mcore.loss import LossConfig, batch_loss
-from interlens_mcore.mixin import pad_id
-from interlens_mcore.rewards import WeightedRewards, environment_reward
-from interlens_mcore.rollout import Rollout, RolloutConfig, Rollouter, micro_batches, rollout_advantages
-from interlens_mcore.sampling import mix_seed
+from interlens_mcore import distributed
+from interlens_mcore.engines.sampler import mix_seed
+from interlens_mcore.grpo.batch import pad_id
+from interlens_mcore.grpo.loss.config import LossConfig
+from interlens_mcore.grpo.loss.objective import batch_loss
+from interlens_mcore.grpo.rewards import WeightedRewards, environment_reward
+from interlens_mcore.rollout.rollouter import (
+    Rollout,
+    RolloutConfig,
+    Rollouter,
+    micro_batches,
+    rollout_advantages,
+)
 from interlens_mcore.tasks import TaskSource
 
-from . import record, rundir, state
-from .backend import Backend
+from . import rundir, state
+from .backends.base import Backend
 from .config import TrainerConfig
-from .report import Reporter
+from .report import record
+from .report.reporter import Reporter
 from .update import update
 
 _EVAL_SEED = 0x65
@@ -72,7 +80,7 @@ class GRPOTrainer:
         *,
         backend: Backend,
         tasks: TaskSource,
-        groups: parallel.ParallelGroups,
+        groups: distributed.ParallelGroups,
         tokenizer: Any,
         config: TrainerConfig | None = None,
         rollout_config: RolloutConfig | None = None,
@@ -114,16 +122,16 @@ class GRPOTrainer:
         self.rewards = WeightedRewards(list(rewards or [environment_reward]), reward_weights)
         # every rank writes into the folder rank 0 names (a fresh one when none is given)
         chosen = config.output_dir or str(rundir.fresh_name(tasks.name))
-        self.output_dir = Path(parallel.all_gather_object(chosen)[0])
+        self.output_dir = Path(distributed.all_gather_object(chosen)[0])
         described = describe_run(
-            config, self.rollout_config, self.loss_config, tasks, self.rewards, parallel.world_size()
+            config, self.rollout_config, self.loss_config, tasks, self.rewards, distributed.world_size()
         )
         self.run_info = {**described, **(run_info or {}), "output_dir": str(self.output_dir)}
         self.step, self.skipped_steps, self.resumed = 0, 0, False
         # a failure on any rank reaches every rank of the world as its named cause, at once; the
         # check waits as long as any collective may (a rank that failed early waits there)
         timeout = world_check_timeout_s if world_check_timeout_s is not None else config.collective_timeout_s
-        self.world_check = parallel.world_check_group(timeout_s=timeout)
+        self.world_check = distributed.world_check_group(timeout_s=timeout)
 
     def check_micro_batches(self) -> None:
         expected = self.backend.micro_batches
@@ -154,10 +162,10 @@ class GRPOTrainer:
         records = []
         try:
             while self.step < cfg.steps:
-                with parallel.stage(f"step {self.step}"):
+                with distributed.stage(f"step {self.step}"):
                     records.append(self.step_and_log(report))
             if cfg.eval_every:  # the weights the run ends with
-                with parallel.stage(f"step {self.step}"):
+                with distributed.stage(f"step {self.step}"):
                     report.log({"step": self.step, **self.evaluation()})
         except BaseException:
             report.close(steps=self.step, failed=True)  # quickly: the caller names the cause
@@ -180,7 +188,7 @@ class GRPOTrainer:
             report.completions(self.step, self.together("completions", self.completions, rollout))
         self.step += 1
         if self.step % cfg.save_every == 0 or self.step == cfg.steps:
-            with parallel.stage("checkpoint"):
+            with distributed.stage("checkpoint"):
                 state.save_checkpoint(self)
             report.plot()
         return rec
@@ -189,7 +197,7 @@ class GRPOTrainer:
         """One rollout and its `updates_per_rollout` optimizer steps; returns (record, rollout)."""
         t0 = time.perf_counter()
         rollout, components = self.together("rollout", self.scored_rollout, self.step)
-        with parallel.stage("update"):
+        with distributed.stage("update"):
             rec = self.update_and_record(rollout, components, t0)
         return rec, rollout
 
@@ -219,7 +227,7 @@ class GRPOTrainer:
         # once after the rollout's optimizer steps: nothing generates between them. The slowest
         # rank's time is the step's (collective: every rank syncs here)
         sync_s = torch.tensor([self.backend.sync_engine_weights()], dtype=torch.float64)
-        sync_s = float(parallel.all_reduce(sync_s, "max")[0])
+        sync_s = float(distributed.all_reduce(sync_s, "max")[0])
         t2 = time.perf_counter()
         rec = {
             "step": self.step,
@@ -234,20 +242,20 @@ class GRPOTrainer:
     def together(self, stage: str, fn: Callable, *args: Any) -> Any:
         """`fn(*args)` as a local phase named `stage`, then the world agrees that no rank failed.
 
-        The rule (parallel.py, "stages and local phases"): every piece of user code (task
+        The rule (distributed/collectives.py, "stages and local phases"): every piece of user code (task
         sources, environments, tools, schedulers, rewards, `success_of`) runs inside a block
         like this one, whose only collectives are the rollout's own (each after the rollout's
-        vote); world and DP collectives come after the block's `parallel.check_world`, which
+        vote); world and DP collectives come after the block's `distributed.check_world`, which
         every rank reaches whatever its code did. A rank whose code raised then never leaves a
         peer waiting in another collective: the check names the failure on every rank.
         """
         error, out = None, None
         try:
-            with parallel.local_phase(stage, self.groups.rollout_collectives):
+            with distributed.local_phase(stage, self.groups.rollout_collectives):
                 out = fn(*args)
         except Exception as exc:  # reported to every rank, re-raised below as WorldFailure
             error = exc
-        parallel.check_world(error, self.world_check)
+        distributed.check_world(error, self.world_check)
         return out
 
     def scored_rollout(self, step: int) -> tuple[Rollout, dict[str, list[float]]]:
@@ -278,7 +286,7 @@ class GRPOTrainer:
         if self.groups.tp_size == 1:
             return rollout
         mine = (rollout.trajectories, rollout.advantages, rollout.keep)
-        parts = parallel.all_gather_object(mine, group=self.groups.tp)
+        parts = distributed.all_gather_object(mine, group=self.groups.tp)
         trajectories = [t for p in parts for t in p[0]]
         return Rollout(
             trajectories=trajectories,
@@ -294,17 +302,17 @@ class GRPOTrainer:
         check; the gathers that decide and merge come after those checks.
         """
         rows = self.together("evaluation rows", self.eval_rows)
-        if not any(parallel.all_gather_object(bool(rows))):
+        if not any(distributed.all_gather_object(bool(rows))):
             return {}
         rollout = self.together("evaluation", self.scored_evaluation, rows)
-        with parallel.stage("evaluation figures"):
+        with distributed.stage("evaluation figures"):
             return record.evaluation_figures(rollout)
 
     def eval_rows(self) -> list[Any]:
         """This rank's held-out rows (local)."""
         # one draw for the whole world, the same every time; rank r plays rows r, r + world, ...
         # so the ranks hold distinct rows (and each its share of every seat's block)
-        world = parallel.world_size()
+        world = distributed.world_size()
         seed = mix_seed(self.rollout_config.seed, _EVAL_SEED)
         return self.tasks.eval_rows(self.config.eval_size * world, seed=seed)[self.groups.rank :: world]
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from interlens_mcore import parallel
+from interlens_mcore import distributed
 
 from . import checkpoint, rundir
 
@@ -20,12 +20,12 @@ from . import checkpoint, rundir
 def claim_output_dir(out: Path, run: dict, *, resume: bool):
     """Rank 0 claims `out` for this run (see rundir.claim); a refusal raises on every rank."""
     lock, error = None, None
-    if parallel.rank() == 0:
+    if distributed.rank() == 0:
         try:
             lock = rundir.claim(out, run, resume=resume)
         except rundir.RunDirError as exc:
             error = str(exc)
-    error = parallel.all_gather_object(error)[0]
+    error = distributed.all_gather_object(error)[0]
     if error is not None:
         raise rundir.RunDirError(error)
     return lock
@@ -56,10 +56,10 @@ def resume(trainer: Any) -> int:
     """
     root = trainer.checkpoint_root
     choice: tuple[str | None, str | None] = (None, None)  # (folder name, error)
-    if parallel.rank() == 0:
+    if distributed.rank() == 0:
         checkpoint.clean_stale(root)
         choice = _choose(root)
-    name, error = parallel.all_gather_object(choice)[0]  # everyone loads the same step, or raises
+    name, error = distributed.all_gather_object(choice)[0]  # everyone loads the same step, or raises
     if error is not None:
         raise checkpoint.NoIntactCheckpoint(error)
     if name is None:

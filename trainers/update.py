@@ -14,19 +14,19 @@ from typing import Any, Protocol
 
 import torch
 
-from interlens_mcore import parallel
-from interlens_mcore.batch import TrainingBatch, build_batch
-from interlens_mcore.loss import (
-    LossConfig,
+from interlens_mcore import distributed
+from interlens_mcore.grpo.batch import TrainingBatch, build_batch
+from interlens_mcore.grpo.loss.config import LossConfig
+from interlens_mcore.grpo.loss.mask import denominators, is_weight_sums, loss_token_mask
+from interlens_mcore.grpo.loss.objective import (
     batch_loss,
     empty_metrics,
     finalize_metrics,
     merge_metrics,
     reduction,
 )
-from interlens_mcore.loss_mask import denominators, is_weight_sums, loss_token_mask
-from interlens_mcore.rollout import Rollout
-from interlens_mcore.trajectory import Trajectory
+from interlens_mcore.rollout.rollouter import Rollout
+from interlens_mcore.types import Trajectory
 
 
 class Trainable(Protocol):
@@ -84,7 +84,7 @@ def update(
             if cfg.is_batch_normalize:
                 counts[2:] += is_weight_sums(b, o, m, cfg)
     # global denominators: the loss of every micro-batch on every DP rank sums to the mean
-    num_tokens, num_sequences, w_sum, w_count = parallel.all_reduce(counts, group=dp_group).tolist()
+    num_tokens, num_sequences, w_sum, w_count = distributed.all_reduce(counts, group=dp_group).tolist()
     if num_tokens == 0:  # nothing trainable anywhere (e.g. every group dropped or rejected)
         return UpdateResult({"grad_norm": 0.0, "skipped": 1.0, "step_skipped": 0.0}, skipped=0)
     extra = {"is_weight_mean": w_sum / w_count if w_count else 1.0} if cfg.is_batch_normalize else {}
@@ -139,6 +139,6 @@ def reduce_metrics(sums: dict | None, group: Any) -> dict[str, float]:
         if not mine:
             continue
         values = torch.stack([sums[k].double() for k in mine])
-        parallel.all_reduce(values, op, group)
+        distributed.all_reduce(values, op, group)
         merged.update(zip(mine, values.tolist()))
     return finalize_metrics(merged)

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from .. import parallel
+from .. import distributed
 from .convert import MEGATRON_MARKER, ParamRule, _checked_rules, _join
 from .model import ModelLayout
 
@@ -71,9 +71,9 @@ def read_marker(path: str | Path) -> dict:
 # ---- blocks: where this rank's tensor sits in the full one ----
 
 
-def _block(rule: ParamRule, layout: ModelLayout, tensor: torch.Tensor) -> parallel.Block | None:
+def _block(rule: ParamRule, layout: ModelLayout, tensor: torch.Tensor) -> distributed.Block | None:
     """This rank's block of `tensor` (a parameter or a state shaped like it); None if replicated."""
-    tp, r = layout.tp_size, parallel.rank(parallel.megatron_tp_group())
+    tp, r = layout.tp_size, distributed.rank(distributed.megatron_tp_group())
     if rule.split == "replicated":
         return None
     shape = tuple(tensor.shape)
@@ -83,7 +83,7 @@ def _block(rule: ParamRule, layout: ModelLayout, tensor: torch.Tensor) -> parall
         assert min(rows) > 0, "every TP rank holds at least one real vocabulary row"
         rest = shape[1:]
         zeros = (0,) * len(rest)
-        return parallel.Block(
+        return distributed.Block(
             local=tensor[: rows[r]],
             global_shape=(layout.vocab_size, *rest),
             offsets=tuple((i * per, *zeros) for i in range(tp)),
@@ -97,7 +97,7 @@ def _block(rule: ParamRule, layout: ModelLayout, tensor: torch.Tensor) -> parall
     lshape = tuple(local.shape)
     gshape = tuple(n * tp if d == dim else n for d, n in enumerate(lshape))
     offsets = tuple(tuple(i * lshape[d] if d == dim else 0 for d in range(len(lshape))) for i in range(tp))
-    return parallel.Block(local=local, global_shape=gshape, offsets=offsets, shapes=(lshape,) * tp)
+    return distributed.Block(local=local, global_shape=gshape, offsets=offsets, shapes=(lshape,) * tp)
 
 
 # Transformer Engine's spec fuses the two norms into the linears that follow them; checkpoints
@@ -118,7 +118,7 @@ def storage_key(name: str) -> str:
 
 def _entries(
     model: torch.nn.Module, layout: ModelLayout, optimizer: torch.optim.Optimizer | None
-) -> tuple[dict[str, parallel.Block], dict[str, torch.Tensor], dict[str, ParamRule]]:
+) -> tuple[dict[str, distributed.Block], dict[str, torch.Tensor], dict[str, ParamRule]]:
     """(blocks, plain tensors, rule by key) of the model and the optimizer's current state."""
     rules, params = _checked_rules(model, layout)
     blocks, plain, by_key = {}, {}, {}
@@ -181,11 +181,11 @@ def save(
     objects: dict = {}
     if torch_optimizer is not None:
         objects[f"{OPTIMIZER}.param_groups"] = _groups_hyperparameters(torch_optimizer)
-    if parallel.rank() == 0:
+    if distributed.rank() == 0:
         folder.mkdir(parents=True, exist_ok=True)
-    parallel.barrier()
-    parallel.save_sharded(folder / WEIGHTS, blocks, {**plain, **objects}, parallel.megatron_tp_group())
-    if parallel.rank() == 0:
+    distributed.barrier()
+    distributed.save_sharded(folder / WEIGHTS, blocks, {**plain, **objects}, distributed.megatron_tp_group())
+    if distributed.rank() == 0:
         marker = {
             "format": FORMAT,
             "family": layout.family,
@@ -199,7 +199,7 @@ def save(
         (folder / MARKER).write_text(json.dumps(marker, indent=1, sort_keys=True))
     if megatron_optimizer is not None:
         _save_megatron_optimizer(folder, model, megatron_optimizer)
-    parallel.barrier()
+    distributed.barrier()
     return folder
 
 
@@ -217,9 +217,9 @@ def _save_megatron_optimizer(folder: Path, model: torch.nn.Module, optimizer) ->
     from megatron.core import dist_checkpointing
 
     target = folder / OPTIMIZER
-    if parallel.rank() == 0:
+    if distributed.rank() == 0:
         target.mkdir(parents=True, exist_ok=True)
-    parallel.barrier()
+    distributed.barrier()
     dist_checkpointing.save(optimizer.sharded_state_dict(model.sharded_state_dict()), str(target))
 
 
@@ -236,7 +236,7 @@ def _load_megatron_optimizer(folder: Path, model: torch.nn.Module, optimizer) ->
 def saved_tensors(folder: str | Path) -> dict[str, tuple[int, ...] | None]:
     """Full shape of every tensor in the checkpoint at `folder` (None: a stored object)."""
     read_marker(folder)
-    return parallel.saved_shapes(Path(folder) / WEIGHTS)
+    return distributed.saved_shapes(Path(folder) / WEIGHTS)
 
 
 @torch.no_grad()
@@ -268,8 +268,8 @@ def load(
                 f"checkpoint {folder}: tensor {key!r} has shape {saved[key]}, this model expects {shape}"
             )
     objects = {f"{OPTIMIZER}.param_groups": None} if optimizer is not None else {}
-    loaded = parallel.load_sharded(
-        folder / WEIGHTS, blocks, {**plain, **objects}, parallel.megatron_tp_group()
+    loaded = distributed.load_sharded(
+        folder / WEIGHTS, blocks, {**plain, **objects}, distributed.megatron_tp_group()
     )
     _zero_vocab_padding(model, layout)
     if optimizer is not None:
@@ -307,7 +307,7 @@ def _prepare_state(optimizer: torch.optim.Optimizer, params: dict, saved: dict, 
 
 def _zero_vocab_padding(model: torch.nn.Module, layout: ModelLayout) -> None:
     # rows past the true vocabulary are not stored; they stay zero, as the HF import makes them
-    start = parallel.rank(parallel.megatron_tp_group()) * layout.vocab_per_rank
+    start = distributed.rank(distributed.megatron_tp_group()) * layout.vocab_per_rank
     real = max(0, min(layout.vocab_per_rank, layout.vocab_size - start))
     if real == layout.vocab_per_rank:
         return
@@ -329,12 +329,12 @@ def full_tensors(
     Two runs at different TP sizes hold the same model exactly when these dicts are equal.
     """
     blocks, plain, by_key = _entries(model, layout, optimizer)
-    group = parallel.megatron_tp_group()
+    group = distributed.megatron_tp_group()
     out = {k: t.detach().clone() for k, t in plain.items()}
     for key, block in blocks.items():
         rule = by_key[key]
         local = _unview(block.local) if rule.split == "glu_rows" else block.local
-        full = _join(rule, parallel.all_gather_tensor(_padded(local, rule, layout), group))
+        full = _join(rule, distributed.all_gather_tensor(_padded(local, rule, layout), group))
         out[key] = full[: layout.vocab_size] if rule.fuse == "vocab" else full
     return out
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .. import parallel
+from .. import distributed
 from .model import ModelLayout
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
@@ -174,7 +174,7 @@ def load_hf_weights(model: torch.nn.Module, layout: ModelLayout, hf_folder: str 
     """Copy this rank's TP shard of every HF tensor into `model` (every parameter is set)."""
     rules, params = _checked_rules(model, layout)
     read = _hf_reader(Path(hf_folder))
-    tp_rank = parallel.rank(parallel.megatron_tp_group())
+    tp_rank = distributed.rank(distributed.megatron_tp_group())
     for rule in rules:
         full = _fuse(rule, layout, [read(n) for n in rule.hf])
         shard = _split(rule, full, layout.tp_size)[tp_rank]
@@ -191,10 +191,10 @@ def load_hf_weights(model: torch.nn.Module, layout: ModelLayout, hf_folder: str 
 def gather_hf_state_dict(model: torch.nn.Module, layout: ModelLayout) -> dict[str, torch.Tensor]:
     """Full HF tensors (on CPU) from this rank's shards; collective over the TP group."""
     rules, params = _checked_rules(model, layout)
-    group = parallel.megatron_tp_group()
+    group = distributed.megatron_tp_group()
     state = {}
     for rule in rules:
-        shards = parallel.all_gather_tensor(params[rule.megatron].detach(), group)
+        shards = distributed.all_gather_tensor(params[rule.megatron].detach(), group)
         for name, tensor in zip(rule.hf, _unfuse(rule, layout, _join(rule, shards)), strict=True):
             state[name] = tensor.cpu().contiguous()
     return state
@@ -219,7 +219,7 @@ def export_hf(
     state = gather_hf_state_dict(model, layout)
     if dtype is not None:  # megatron's norms stay float32 in a bfloat16 model
         state = {k: v.to(dtype) for k, v in state.items()}
-    if parallel.rank() == 0:
+    if distributed.rank() == 0:
         from safetensors.torch import save_file
 
         out.mkdir(parents=True, exist_ok=True)
@@ -227,5 +227,5 @@ def export_hf(
             if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES) and f.name not in CHECKPOINT_FILES:
                 shutil.copy2(f, out / f.name)
         save_file(state, out / "model.safetensors", metadata={"format": "pt"})
-    parallel.barrier()
+    distributed.barrier()
     return out

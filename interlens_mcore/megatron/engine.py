@@ -10,7 +10,7 @@ Sampling never gathers the vocabulary: each TP rank perturbs its logit shard wit
 counter-based Gumbel noise of `sampling.gumbel_noise` (the noise of a token depends only on
 the row's seed, the step and the token id), takes its local maximum, and one max all-reduce
 picks the token, so TP=2 samples exactly what TP=1 samples for the same seeds. Top-k and
-top-p thresholds come from per-shard candidates (sampling.py); logprobs from a vocab-parallel
+top-p thresholds come from per-shard candidates (engines/sampler.py); logprobs from a vocab-parallel
 log-sum-exp over the tokens the filters kept. Stop strings need `tokenizer`.
 
 With the CPU layer spec (`SDPACoreAttention` applying RoPE itself) the engine keeps a
@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from .. import parallel
-from ..engine import EngineStats, Generation, GenerationRequest, check_context
-from ..sampling import BatchSampling, Filters, VocabShard, sample
+from .. import distributed
+from ..engines.base import EngineStats, Generation, GenerationRequest, check_context
+from ..engines.sampler import BatchSampling, Filters, VocabShard, sample
 from .kv_cache import KVCache, attached, supports_kv_cache
 from .model import ModelLayout, forward_logits, vocab_start
 
@@ -44,10 +44,10 @@ def vocab_shard(start: int, group: Any = None, comm_device: torch.device | None 
     """
 
     def reduce(x: torch.Tensor, op: str) -> torch.Tensor:
-        return parallel.all_reduce(x.to(comm_device or x.device), op, group).to(x.device)
+        return distributed.all_reduce(x.to(comm_device or x.device), op, group).to(x.device)
 
     def gather(x: torch.Tensor) -> list[torch.Tensor]:
-        return [y.to(x.device) for y in parallel.all_gather_tensor(x.to(comm_device or x.device), group)]
+        return [y.to(x.device) for y in distributed.all_gather_tensor(x.to(comm_device or x.device), group)]
 
     return VocabShard(start=start, reduce=reduce, gather=gather)
 
@@ -77,7 +77,7 @@ class MegatronEngine:
 
     Example (on every rank of the rollout group, here the TP group)::
 
-        engine = MegatronEngine(model, layout, group=parallel.megatron_tp_group())
+        engine = MegatronEngine(model, layout, group=distributed.megatron_tp_group())
         outs = engine.generate(my_requests)  # [] on an idle rank, while any rank works
     """
 
@@ -96,14 +96,14 @@ class MegatronEngine:
         if not self.max_context:
             self.max_context = self.layout.max_position
         if self.tp_group is None:
-            self.tp_group = parallel.megatron_tp_group()
+            self.tp_group = distributed.megatron_tp_group()
 
     @torch.inference_mode()
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
         mine = list(requests)
-        per_rank = parallel.all_gather_object(mine, self.group)
+        per_rank = distributed.all_gather_object(mine, self.group)
         union = [r for rank_requests in per_rank for r in rank_requests]
-        offset = sum(len(x) for x in per_rank[: parallel.rank(self.group)])
+        offset = sum(len(x) for x in per_rank[: distributed.rank(self.group)])
         if not union:
             return []
         # validated on the union, so every rank raises the same error instead of some hanging

@@ -24,7 +24,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from .. import parallel
+from .. import distributed
 from .spec import SpecKind, choose_spec, layer_spec, packed_positions
 
 FAMILIES = ("llama", "qwen2")
@@ -113,7 +113,7 @@ def load_layout(hf_folder: str | Path, tp_size: int | None = None) -> ModelLayou
     from transformers import AutoConfig
 
     if tp_size is None:
-        tp_size = parallel.world_size(parallel.megatron_tp_group())
+        tp_size = distributed.world_size(distributed.megatron_tp_group())
     return layout_from_hf_config(AutoConfig.from_pretrained(hf_folder), tp_size)
 
 
@@ -169,7 +169,7 @@ def build_model(
     (`tensor_parallel.model_parallel_cuda_manual_seed`), and the caller moves the model with
     `.cuda()` as megatron's own scripts do (torch-native norms are created on the CPU).
     """
-    tp = parallel.world_size(parallel.megatron_tp_group())
+    tp = distributed.world_size(distributed.megatron_tp_group())
     if tp != layout.tp_size:
         raise ValueError(f"layout is for TP size {layout.tp_size} but megatron's TP group has {tp} ranks")
     if spec is None:
@@ -275,7 +275,7 @@ def _forward(model: torch.nn.Module, input_ids: torch.Tensor, cu_seqlens, device
 
 def vocab_start(layout: ModelLayout) -> int:
     """First global token id of this rank's vocabulary shard."""
-    return parallel.rank(parallel.megatron_tp_group()) * layout.vocab_per_rank
+    return distributed.rank(distributed.megatron_tp_group()) * layout.vocab_per_rank
 
 
 def mask_padded_vocab(logits: torch.Tensor, layout: ModelLayout) -> torch.Tensor:

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import torch
 
-from .. import parallel
+from .. import distributed
 
 TrainingPath = Literal["megatron", "torch"]
 
@@ -188,8 +188,8 @@ class Training:
                 shard += sq
             else:
                 copy += sq
-        tp = parallel.world_size(self.tp_group)
-        return parallel.all_reduce(shard + copy / tp, "sum", self.tp_group).sqrt()
+        tp = distributed.world_size(self.tp_group)
+        return distributed.all_reduce(shard + copy / tp, "sum", self.tp_group).sqrt()
 
 
 def tp_sharded(model: torch.nn.Module) -> frozenset[int]:
@@ -215,7 +215,7 @@ def tp_sharded(model: torch.nn.Module) -> frozenset[int]:
 def build_training(
     model: torch.nn.Module,
     options: TrainingOptions,
-    groups: parallel.ParallelGroups,
+    groups: distributed.ParallelGroups,
     *,
     path: TrainingPath | None = None,
 ) -> Training:
@@ -250,7 +250,7 @@ def build_training(
         train_model=wrapped,
         optimizer=optimizer,
         dp_size=groups.dp_size,
-        tp_group=groups.tp if groups.tp is not None else parallel.megatron_tp_group(),
+        tp_group=groups.tp if groups.tp is not None else distributed.megatron_tp_group(),
         tp_shards=tp_sharded(model),
         grad_clip=options.grad_clip,
     )

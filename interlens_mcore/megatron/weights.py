@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .. import parallel
+from .. import distributed
 from . import checkpoint
 from .convert import CHECKPOINT_FILES, WEIGHT_SUFFIXES, export_hf, load_hf_weights
 from .model import ModelLayout, build_model, load_layout
@@ -88,9 +88,9 @@ def hf_to_megatron(hf_folder: str | Path, out_dir: str | Path) -> Path:
     hf_folder, out = Path(hf_folder), Path(out_dir)
     model, layout = load_model(hf_folder, params_dtype=stored_dtype(hf_folder))
     checkpoint.save(out, model, layout)
-    if parallel.rank() == 0:
+    if distributed.rank() == 0:
         copy_hf_files(hf_folder, out)
-    parallel.barrier()
+    distributed.barrier()
     return out
 
 

@@ -46,8 +46,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from ..conversation import Participant, Policy  # noqa: F401  (the types of Task.lineup)
-from ..trajectory import Message
+from ..rollout.conversation import Participant, Policy  # noqa: F401  (the types of Task.lineup)
+from ..types import Message
 
 
 class Task(Protocol):

@@ -28,8 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..conversation import Conversation, Environment, Participant, Policy
-from ..trajectory import Message
+from ..rollout.conversation import Conversation, Environment, Participant, Policy
+from ..types import Message
 from .base import TaskSource
 from .split import check_fraction, derive_seed, held_out
 

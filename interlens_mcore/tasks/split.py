@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import zlib
 
-from ..sampling import mix_seed
+from ..engines.sampler import mix_seed
 
 _BUCKETS = 10_000
 

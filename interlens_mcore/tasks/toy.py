@@ -1,11 +1,12 @@
-"""Task sources of the toy games shipped with the package (`interlens_mcore.envs`)."""
+"""Task sources of the toy games shipped with the package (`guess`, `duel`)."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from ..envs import SEATS, duel_tasks, guess_tasks
 from .base import TaskSource
+from .duel import SEATS, duel_tasks
+from .guess import guess_tasks
 
 _EVAL_SEED = 0x5EED_E7A1  # evaluation rows come from a seed no training step uses
 

@@ -37,9 +37,9 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from ..conversation import Conversation, Environment
-from ..limits import StepTimeout, await_limited, check_time_limit, maybe_await
-from ..trajectory import Message
+from ..rollout.conversation import Conversation, Environment
+from ..rollout.limits import StepTimeout, await_limited, check_time_limit, maybe_await
+from ..types import Message
 from .parser import HermesParser, ToolCall, ToolCallParser
 from .pool import WorkerLimits, WorkerPool, shared_pool
 from .tool import Tool, as_tools, reference_of

@@ -16,9 +16,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..conversation import Environment, Participant, Policy
+from ..rollout.conversation import Environment, Participant, Policy
 from ..tasks.base import TaskSource
-from ..trajectory import Message
+from ..types import Message
 from .environment import ToolEnvironment, check_isolation, start_workers
 from .parser import HermesParser, ToolCallParser
 from .pool import WorkerLimits

@@ -27,11 +27,9 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import torch
 
-import torch  # noqa: E402
-
-from interlens_mcore import parallel  # noqa: E402
+from interlens_mcore import distributed
 
 SEQS = [[5, 9, 33, 2, 100, 7], [1, 2, 3], [44, 45, 46, 47, 48, 49, 50, 51, 300, 500]]
 
@@ -57,14 +55,14 @@ def section(name: str, results: dict, fn) -> None:
 
 def collectives() -> dict:
     x = torch.ones(4, device=device())
-    parallel.all_reduce(x)
-    gathered = parallel.all_gather_object({"rank": parallel.rank()})
-    group = parallel.world_check_group(timeout_s=60)
-    parallel.check_world(None, group)
+    distributed.all_reduce(x)
+    gathered = distributed.all_gather_object({"rank": distributed.rank()})
+    group = distributed.world_check_group(timeout_s=60)
+    distributed.check_world(None, group)
     try:
-        parallel.check_world(ValueError("planted"), group)
+        distributed.check_world(ValueError("planted"), group)
         named = False
-    except parallel.WorldFailure as exc:
+    except distributed.WorldFailure as exc:
         named = str(exc) == "rank 0 failed: ValueError: planted"
     backend = torch.distributed.get_backend()
     return {"ok": named and gathered == [{"rank": 0}], "backend": backend, "sum": float(x.sum())}
@@ -113,11 +111,12 @@ def logits(paths: dict) -> dict:
 
 def grpo(path: str, root: Path) -> dict:
     """A few GRPO steps with megatron DDP + distributed optimizer + bf16, the engine in the loop."""
-    from interlens_mcore.advantages import group_advantages
-    from interlens_mcore.batch import build_batch
-    from interlens_mcore.engine import GenerationRequest
-    from interlens_mcore.logprobs import token_logprobs
-    from interlens_mcore.loss import LossConfig, batch_loss
+    from interlens_mcore.engines.base import GenerationRequest
+    from interlens_mcore.grpo.advantages import group_advantages
+    from interlens_mcore.grpo.batch import build_batch
+    from interlens_mcore.grpo.logprobs import token_logprobs
+    from interlens_mcore.grpo.loss.config import LossConfig
+    from interlens_mcore.grpo.loss.objective import batch_loss
     from interlens_mcore.megatron import checkpoint as ckpt
     from interlens_mcore.megatron import forward_logits
     from interlens_mcore.megatron.engine import MegatronEngine
@@ -127,11 +126,11 @@ def grpo(path: str, root: Path) -> dict:
         choose_path,
         model_overrides,
     )
-    from interlens_mcore.trajectory import Trajectory
+    from interlens_mcore.types import Trajectory
 
     options = TrainingOptions(lr=1e-4, grad_clip=1.0, bf16=torch.cuda.is_available())
     path_kind = choose_path()
-    groups = parallel.build_groups(rollout="model_parallel")
+    groups = distributed.build_groups(rollout="model_parallel")
     overrides = model_overrides(options, path=path_kind, tp_size=1)
     dtype = overrides.pop("params_dtype", torch.float32)
     model, layout = _model(path, None, dtype=dtype, **overrides)
@@ -197,8 +196,8 @@ def grpo(path: str, root: Path) -> dict:
 def main() -> int:
     from interlens_mcore.assets import ensure_tiny_model
 
-    parallel.init_distributed()
-    parallel.init_megatron(1)
+    distributed.init_distributed()
+    distributed.init_megatron(1)
     if torch.cuda.is_available():  # megatron's CUDA RNG tracker, which its layers fork
         from megatron.core import tensor_parallel
 
@@ -212,7 +211,7 @@ def main() -> int:
         section("collectives", results, collectives)
         section("logits", results, lambda: logits({"qwen2": qwen, "llama": llama}))
         section("grpo", results, lambda: grpo(qwen, Path(tmp)))
-    parallel.destroy()
+    distributed.destroy()
     results["ok"] = all(v["ok"] for v in results.values() if isinstance(v, dict))
     print(json.dumps(results, default=str))
     return 0 if results["ok"] else 1

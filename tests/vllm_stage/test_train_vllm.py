@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from train_utils import SMALL, metrics, torchrun
+from support.launch import SMALL, metrics, torchrun
 
 pytest.importorskip(
     "vllm", reason="vLLM is not installed here; its tests run in the environment .ci/vllm_stage.sh builds"
@@ -64,7 +64,7 @@ def test_megatron_checkpoint_as_model(tmp_path):
     import subprocess
     import sys
 
-    from train_utils import ROOT
+    from support.launch import ROOT
 
     first = tmp_path / "first"
     res = torchrun("--output-dir", str(first), "--steps", "2", "--lr", "0.05", *SMALL, "--eval-every", "0")

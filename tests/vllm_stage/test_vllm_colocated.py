@@ -4,7 +4,7 @@ idle rank still joins, greedy rows follow the HF model before and after a weight
 from __future__ import annotations
 
 import pytest
-from dist_utils import run_ranks
+from support.dist import run_ranks
 
 pytest.importorskip(
     "vllm", reason="vLLM is not installed here; its tests run in the environment .ci/vllm_stage.sh builds"
@@ -31,8 +31,8 @@ def _job(rank, world, path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from interlens_mcore import HFEngine
-    from interlens_mcore.vllm_engine import VLLMConfig, VLLMEngine
-    from interlens_mcore.weight_sync import hf_tensors
+    from interlens_mcore.engines.vllm import VLLMConfig, VLLMEngine
+    from interlens_mcore.engines.weight_sync import hf_tensors
 
     config = VLLMConfig(tensor_parallel_size=2, dtype="float32", max_model_len=128)
     engine = VLLMEngine.create(path, config, group=dist.group.WORLD)

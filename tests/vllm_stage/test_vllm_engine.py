@@ -14,9 +14,9 @@ pytest.importorskip(
 )
 
 from interlens_mcore import GenerationRequest, HFEngine, SamplingParams  # noqa: E402
-from interlens_mcore.sampling import Filters, apply_penalties, processed_logprobs  # noqa: E402
-from interlens_mcore.vllm_engine import VLLMConfig, VLLMEngine  # noqa: E402
-from interlens_mcore.weight_sync import hf_tensors  # noqa: E402
+from interlens_mcore.engines.sampler import Filters, apply_penalties, processed_logprobs  # noqa: E402
+from interlens_mcore.engines.vllm import VLLMConfig, VLLMEngine  # noqa: E402
+from interlens_mcore.engines.weight_sync import hf_tensors  # noqa: E402
 
 
 @pytest.fixture(scope="module")

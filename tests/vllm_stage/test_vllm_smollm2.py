@@ -13,7 +13,7 @@ pytest.importorskip(
 )
 
 from interlens_mcore import GenerationRequest  # noqa: E402
-from interlens_mcore.vllm_engine import VLLMConfig, VLLMEngine  # noqa: E402
+from interlens_mcore.engines.vllm import VLLMConfig, VLLMEngine  # noqa: E402
 
 
 def test_vllm_answers_as_the_hf_engine(smollm2_path):

@@ -9,7 +9,7 @@ after a real optimizer step (parameters gathered; the tiny Qwen2 ties its embedd
 from __future__ import annotations
 
 import pytest
-from dist_utils import run_ranks
+from support.dist import run_ranks
 
 pytest.importorskip(
     "vllm", reason="vLLM is not installed here; its tests run in the environment .ci/vllm_stage.sh builds"
@@ -39,7 +39,7 @@ def _hf_greedy(path: str, state: dict) -> list[list[int]]:
 
 
 def _vllm(path: str):
-    from interlens_mcore.vllm_engine import VLLMConfig, VLLMEngine
+    from interlens_mcore.engines.vllm import VLLMConfig, VLLMEngine
 
     config = VLLMConfig(
         tensor_parallel_size=1, dtype="float32", max_model_len=128, enable_prefix_caching=True
@@ -51,8 +51,8 @@ def _megatron_job(rank, world, path):
     import torch
     from megatron.core import parallel_state
 
+    from interlens_mcore.engines.weight_sync import megatron_hf_tensors
     from interlens_mcore.megatron import build_model, load_hf_weights, load_layout
-    from interlens_mcore.weight_sync import megatron_hf_tensors
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     layout = load_layout(path)
@@ -74,7 +74,7 @@ def _zero3_job(rank, world, path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from interlens_mcore.weight_sync import zero3_hf_tensors
+    from interlens_mcore.engines.weight_sync import zero3_hf_tensors
 
     model = AutoModelForCausalLM.from_pretrained(path)
     config = {

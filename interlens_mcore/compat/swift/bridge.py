@@ -26,8 +26,8 @@ from typing import Any
 
 from ... import ChatFormat, MultiTurnRequest, ResponseChoice
 from ... import MultiTurnScheduler as NativeScheduler
-from ...limits import maybe_await
-from ...trajectory import validate_tokens
+from ...rollout.limits import maybe_await
+from ...types import validate_tokens
 from .scheduler import MultiTurnScheduler
 from .transcript import append_completion, extension, native_messages, without_placeholder
 from .types import ChatCompletionResponseChoice, Message, RolloutInferRequest

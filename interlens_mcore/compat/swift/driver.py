@@ -33,8 +33,8 @@ from ... import (
     Trajectory,
     run_multi_turn,
 )
-from ...limits import StepTimeout, await_limited, check_time_limit, maybe_await
-from ...vote import GatherFn, cast_vote, local_gather
+from ...rollout.limits import StepTimeout, await_limited, check_time_limit, maybe_await
+from ...rollout.vote import GatherFn, cast_vote, local_gather
 from .bridge import RequestState, SwiftBridge, add_note
 from .scheduler import MultiTurnScheduler
 from .transcript import native_messages, prompt_ids, without_placeholder

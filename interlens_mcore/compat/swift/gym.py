@@ -34,7 +34,7 @@ import asyncio
 import copy
 from typing import Any
 
-from ...limits import maybe_await
+from ...rollout.limits import maybe_await
 from .scheduler import InferEngine, MultiTurnScheduler
 from .types import ChatCompletionResponseChoice, Message, RolloutInferRequest
 

@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any, get_args
 
 from ... import SamplingParams, Trajectory
-from ...rollout import Rollout
-from ...sampling import mix_seed
+from ...engines.sampler import mix_seed
+from ...rollout.rollouter import Rollout
+from ...rollout.vote import GatherFn, local_gather
 from ...tasks.base import TaskSource
-from ...vote import GatherFn, local_gather
 from .driver import rollout_trajectories
 from .plugins import build_scheduler, load_plugins, resolve_scheduler
 from .scheduler import MultiTurnScheduler

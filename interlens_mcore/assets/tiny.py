@@ -1,0 +1,134 @@
+"""Tiny local assets: a BPE tokenizer with a chat template and a random causal LM.
+
+Both are saved with `save_pretrained` and loaded back through `from_pretrained`, so the real
+loading path runs; nothing is downloaded. (The default policy, that model after a short
+supervised phase, is in `warm_start`; SmolLM2, which is downloaded, in `smollm2`.)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def publish(built: Path, path: Path) -> None:
+    """Move a finished asset folder into place; another process that finished first wins."""
+    try:
+        os.rename(built, path)
+    except OSError:
+        if not (path / "config.json").exists():
+            raise
+
+
+def default_asset_dir() -> Path:
+    """Where built assets are cached: $INTERLENS_ASSETS, else ~/.cache/interlens_mcore."""
+    root = os.environ.get("INTERLENS_ASSETS") or Path.home() / ".cache" / "interlens_mcore"
+    return Path(root)
+
+
+def _corpus() -> list[str]:
+    words = (
+        "guess the number between one and hundred higher lower correct wrong answer tool "
+        "result call add sum total question reply agent user system you are a helpful "
+        "assistant what is your next move yes no done think step first second third"
+    ).split()
+    lines = [" ".join(words[i : i + 7]) for i in range(0, len(words), 3)]
+    lines += [f"{a} + {b} = {a + b}" for a in range(0, 60, 7) for b in range(0, 40, 3)]
+    lines += [f"My guess is {n}. It is {'higher' if n % 2 else 'lower'}." for n in range(101)]
+    return lines * 4
+
+
+def build_tokenizer(path: Path, vocab_size: int = 512):
+    """Train a byte-level BPE tokenizer, wrap it as a fast tokenizer and save it to `path`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return fast
+
+
+def build_model(path: Path, tokenizer, *, arch: str = "qwen2", seed: int = 0, **overrides):
+    """A tiny randomly initialised causal LM (Qwen2 or Llama) saved to `path`."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    kwargs = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    kwargs.update(overrides)
+    if arch == "qwen2":
+        config = Qwen2Config(**kwargs)
+    elif arch == "llama":
+        config = LlamaConfig(**kwargs)
+    else:
+        raise ValueError(f"arch must be 'qwen2' or 'llama', got {arch!r}")
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return model
+
+
+def ensure_tiny_model(path: str | Path | None = None, *, arch: str = "qwen2", **overrides) -> Path:
+    """Build the tiny model + tokenizer folder once (atomically) and return its path."""
+    if path is None:
+        suffix = "-".join(f"{k}{v}" for k, v in sorted(overrides.items()))
+        path = default_asset_dir() / (f"tiny-{arch}" + (f"-{suffix}" if suffix else ""))
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
+    try:
+        tokenizer = build_tokenizer(tmp)
+        build_model(tmp, tokenizer, arch=arch, **overrides)
+        publish(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def load_tiny(path: str | Path | None = None, **kwargs):
+    """(model, tokenizer) loaded through AutoModelForCausalLM / AutoTokenizer.from_pretrained."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = ensure_tiny_model(path, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    return model, tokenizer

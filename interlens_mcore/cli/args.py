@@ -1,0 +1,282 @@
+"""The command line and YAML of the launch scripts, generated from the config dataclasses.
+
+`transformers.HfArgumentParser` turns every field of `LaunchConfig`, `BackendConfig`,
+`TrainerConfig`, `RolloutConfig` and `LossConfig` into `--field-name` (or `--field_name`, as TRL
+and ms-swift users type it) with the field's type, default, allowed values and help line, so the
+library defaults are the command-line defaults. Precedence: defaults < `--config FILE.yaml`
+(keys = option names) < the command line. Every user mistake becomes a one-line `UsageError`
+naming the flag; a mistyped flag or YAML key suggests the closest known one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+from transformers import HfArgumentParser
+
+from interlens_mcore.grpo.loss.config import LossConfig
+from interlens_mcore.plugins import working_directory_importable
+from interlens_mcore.rollout.rollouter import RolloutConfig
+from trainers.config import BackendConfig, TrainerConfig
+
+REPEATABLE = ("--reward", "--reward-weights", "--reward_weights", "--task-arg", "--task_arg")
+RESUME = ("no", "yes", "auto")
+
+
+class UsageError(ValueError):
+    """Bad input from the user: reported as one line on stderr, exit code 2."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    """What the launch script plugs in: the task, reward functions, resuming and export."""
+
+    task: str = field(
+        default="guess",
+        metadata={
+            "help": "guess, duel, FAMILY:ID of a task library, or MODULE:FACTORY returning a TaskSource"
+        },
+    )
+    task_args: str = field(default="{}", metadata={"help": "JSON object of the task's options"})
+    task_arg: list[str] = field(
+        default_factory=list, metadata={"help": "KEY=VALUE task options, values read as YAML (repeatable)"}
+    )
+    reward: list[str] = field(
+        default_factory=list,
+        metadata={"help": "MODULE:FN reward functions added to the task's own (repeatable)"},
+    )
+    reward_weights: list[float] = field(
+        default_factory=list, metadata={"help": "one weight per reward function, the task's first"}
+    )
+    no_env_reward: bool = field(
+        default=False, metadata={"help": "drop the task's own reward (needs --reward)"}
+    )
+    dataset: str | None = field(
+        default=None, metadata={"help": "JSONL / JSON / parquet / CSV file or save_to_disk folder of prompts"}
+    )
+    prompt_column: str = field(
+        default="prompt", metadata={"help": "--dataset column of the prompt (text or chat)"}
+    )
+    eval_dataset: str | None = field(
+        default=None, metadata={"help": "held-out prompts (default: a hashed twentieth of --dataset)"}
+    )
+    tools: str | None = field(
+        default=None, metadata={"help": "MODULE:FN[,MODULE:FN...] Python functions the policy may call"}
+    )
+    multi_turn_scheduler: str | None = field(
+        default=None, metadata={"help": "MODULE:CLASS or registered name of an ms-swift style scheduler"}
+    )
+    external_plugins: list[str] = field(
+        default_factory=list, metadata={"help": ".py files to load first (they may register schedulers)"}
+    )
+    max_turns: int | None = field(default=None, metadata={"help": "scheduler: turn cap (0 or unset: none)"})
+    loss_scale: Literal["all", "last_round"] = field(
+        default="all", metadata={"help": "scheduler: which assistant rounds train"}
+    )
+    reward_key: str = field(default="reward", metadata={"help": "scheduler: rollout_infos key of the reward"})
+    resume: str = field(
+        default="no",
+        metadata={"help": "continue the run in --output-dir (--resume); auto: continue it if there is one"},
+    )
+    export_hf: str | None = field(
+        default=None, metadata={"help": "write the trained model as an HF folder here"}
+    )
+
+    def __post_init__(self) -> None:
+        if self.resume not in RESUME:
+            raise ValueError(f"LaunchConfig.resume must be one of {', '.join(RESUME)}, got {self.resume!r}")
+        if not isinstance(self.task_arguments, dict):
+            raise ValueError(f"LaunchConfig.task_args must be a JSON object, got {self.task_args!r}")
+
+    def resuming(self, output_dir: str | None) -> bool:
+        """--resume, or --resume auto with a run already in `output_dir` (a restarted worker's case)."""
+        if self.resume == "auto":
+            return output_dir is not None and (Path(output_dir) / "run.json").is_file()
+        return self.resume == "yes"
+
+    @property
+    def task_arguments(self) -> dict[str, Any]:
+        """--task-args (a JSON object) with each --task-arg KEY=VALUE over it."""
+        from interlens_mcore.tasks.families import parse_task_args
+
+        try:
+            out = json.loads(self.task_args)
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"LaunchConfig.task_args is not valid JSON ({exc.msg}): {self.task_args!r}"
+            ) from None
+        if isinstance(out, dict):
+            out.update(parse_task_args(self.task_arg))
+        return out
+
+
+SECTIONS = (LaunchConfig, BackendConfig, TrainerConfig, RolloutConfig, LossConfig)
+
+
+@dataclass(frozen=True)
+class Args:
+    launch: LaunchConfig
+    backend: BackendConfig
+    trainer: TrainerConfig
+    rollout: RolloutConfig
+    loss: LossConfig
+    extra: tuple = ()  # the script's own sections, in the order it passed them
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def flagify(message: str) -> str:
+    """`TrainerConfig.lr must be > 0` -> `--lr must be > 0`: errors name what the user typed."""
+    return re.sub(r"\b[A-Z]\w*Config\.(\w+)", lambda m: flag(m.group(1)), message)
+
+
+def _fields(sections: tuple = SECTIONS) -> dict[str, dataclasses.Field]:
+    return {f.name: f for cls in sections for f in dataclasses.fields(cls)}
+
+
+def _closest(word: str, known: list[str]) -> str:
+    match = difflib.get_close_matches(word, known, n=1, cutoff=0.6)
+    return f" (did you mean {match[0]}?)" if match else ""
+
+
+class _Parser(HfArgumentParser):
+    def error(self, message: str) -> None:  # argparse's own errors become one line, exit 2
+        raise UsageError(_suggest(message, self))
+
+
+def _suggest(message: str, parser: argparse.ArgumentParser) -> str:
+    # "argument --on_timeout/--on-timeout: ..." -> "--on-timeout: ...": one name, the dashed one
+    message = re.sub(r"argument --[\w]+/(--[\w-]+)", r"\1", message)
+    known = sorted(s for a in parser._actions for s in a.option_strings if s.startswith("--"))
+    unknown = re.findall(r"(--[\w-]+)", message.split("arguments:", 1)[-1]) if "arguments" in message else []
+    if not unknown:
+        return message
+    return "unrecognized arguments: " + ", ".join(u + _closest(u, known) for u in unknown)
+
+
+def parser(description: str, extra: tuple = ()) -> _Parser:
+    p = _Parser((*SECTIONS, *extra), description=description, allow_abbrev=False)
+    p.add_argument("--config", help="YAML file of options (keys as the long option names, with _ or -)")
+    return p
+
+
+def _merge_repeated(argv: list[str]) -> list[str]:
+    """`--reward a --reward b` -> `--reward a b` (argparse would keep only the last)."""
+    out: list[str] = []
+    merged: dict[str, list[str]] = {}
+    i = 0
+    while i < len(argv):
+        if argv[i] in REPEATABLE:
+            j = i + 1
+            while j < len(argv) and not argv[j].startswith("--"):
+                j += 1
+            merged.setdefault(argv[i].replace("_", "-"), []).extend(argv[i + 1 : j])
+            i = j
+        else:
+            out.append(argv[i])
+            i += 1
+    for name, values in merged.items():
+        out.extend([name, *values])
+    # a bare --resume means yes (the flag users know); --resume auto / no are the other values
+    return [
+        x
+        for k, a in enumerate(out)
+        for x in (
+            [a, "yes"] if a == "--resume" and (k + 1 == len(out) or out[k + 1].startswith("--")) else [a]
+        )
+    ]
+
+
+def parse(argv: list[str] | None, description: str, extra: tuple = ()) -> Args:
+    """The five sections (and a script's `extra` dataclasses) from YAML and the command line."""
+    import sys
+
+    working_directory_importable()  # the user's MODULE:NAME plug-ins, from where they run it
+    argv = _merge_repeated(list(sys.argv[1:] if argv is None else argv))
+    p = parser(description, extra)
+    config_path = _config_path(argv)
+    if config_path is not None:
+        p.set_defaults(**read_yaml(Path(config_path), (*SECTIONS, *extra)))
+    try:
+        *sections, _extra = p.parse_args_into_dataclasses(args=argv, look_for_args_file=False)
+    except UsageError:
+        raise
+    except ValueError as exc:
+        text = str(exc)
+        if "not used by the HfArgumentParser" in text:
+            raise UsageError(_suggest("unrecognized arguments: " + text.split(":", 1)[1], p)) from None
+        raise UsageError(flagify(text)) from None
+    return Args(*sections[: len(SECTIONS)], extra=tuple(sections[len(SECTIONS) :]))
+
+
+def _config_path(argv: list[str]) -> str | None:
+    for i, a in enumerate(argv):
+        if a == "--config":
+            if i + 1 >= len(argv):
+                raise UsageError("--config needs a YAML file")
+            return argv[i + 1]
+        if a.startswith("--config="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def _kind(tp: Any) -> tuple[type, ...]:
+    """The Python types a YAML value of a field of type `tp` may have."""
+    if get_origin(tp) is list:
+        return (list,)
+    args = [a for a in get_args(tp) if a is not type(None)] or [tp]
+    kinds = []
+    for a in args:
+        if get_origin(a) is not None and get_args(a) and not isinstance(get_args(a)[0], type):  # Literal
+            kinds.extend({type(v) for v in get_args(a)})
+        elif isinstance(a, type):
+            kinds.append(a)
+    if float in kinds:
+        kinds.append(int)
+    return tuple(kinds)
+
+
+def read_yaml(path: Path, sections: tuple = SECTIONS) -> dict[str, Any]:
+    import yaml
+
+    if not path.is_file():
+        raise UsageError(f"--config {path}: no such file")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise UsageError(f"--config {path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"--config {path}: expected a mapping of option names, got {type(data).__name__}")
+    fields = _fields(sections)
+    hints = {name: t for cls in sections for name, t in get_type_hints(cls).items()}
+    out = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in fields:
+            hint = _closest(name, sorted(fields))
+            raise UsageError(f"--config {path}: unknown key {key!r}{hint.replace('--', '')}")
+        if name == "task_args" and isinstance(value, dict):
+            value = json.dumps(value)
+        if name in ("reward", "reward_weights") and not isinstance(value, list):
+            value = [value]
+        kinds = _kind(hints[name])
+        if (
+            value is not None
+            and kinds
+            and not isinstance(value, kinds)
+            or isinstance(value, bool)
+            and bool not in kinds
+        ):
+            expected = " or ".join(k.__name__ for k in kinds)
+            raise UsageError(f"--config {path}: {key} must be {expected}, got {value!r}")
+        out[name] = value
+    return out

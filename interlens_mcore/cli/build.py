@@ -1,0 +1,215 @@
+"""Parsed options -> checked plug-ins, process groups, backend and trainer (shared by the launch scripts).
+
+`check` does every check that needs no process group, so bad input fails before anything
+starts; `build_trainer` is collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from interlens_mcore import distributed
+from interlens_mcore.cli.args import Args, UsageError, flagify
+from interlens_mcore.grpo.rewards import environment_reward, reward_name
+from interlens_mcore.plugins import load_object
+from interlens_mcore.tasks import TaskSource, resolve_task
+from trainers import rundir
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def model_folder(args: Args) -> Path:
+    """--model: a folder, `smollm2`, or by default the warm-started tiny model (assets build once,
+    atomically, so ranks may race)."""
+    from interlens_mcore.assets import ensure_default_policy
+
+    if args.backend.model == "smollm2":
+        from interlens_mcore.assets import AssetUnavailable, ensure_smollm2
+
+        try:
+            return ensure_smollm2()
+        except AssetUnavailable as exc:
+            raise UsageError(f"--model smollm2: {exc}") from None
+    return Path(args.backend.model) if args.backend.model is not None else ensure_default_policy()
+
+
+def task_source(args: Args) -> TaskSource:
+    """--task, or --dataset, or --multi-turn-scheduler over --dataset; --tools added to any of them."""
+    la = args.launch
+    try:
+        if la.multi_turn_scheduler is not None:
+            source = swift_source(args)
+        elif la.dataset is not None:
+            from interlens_mcore.tasks import dataset
+
+            source = dataset.source(la.dataset, la.prompt_column, la.eval_dataset, **la.task_arguments)
+        else:
+            source = resolve_task(la.task, la.task_arguments)
+        if la.tools is not None:
+            from interlens_mcore.tools import load_tools, with_tools
+
+            source = with_tools(source, load_tools(la.tools), tokenizer=tokenizer(args))
+    except ValueError as exc:
+        raise UsageError(flagify(str(exc))) from None
+    return source
+
+
+def swift_source(args: Args) -> TaskSource:
+    """`--external-plugins F.py --multi-turn-scheduler NAME --dataset rows.jsonl`, as ms-swift users type."""
+    from interlens_mcore.compat.swift import SwiftTaskSource
+    from interlens_mcore.tasks.dataset import load_rows
+
+    la = args.launch
+    if la.dataset is None:
+        raise ValueError("--multi-turn-scheduler needs --dataset (its rows reach the scheduler as data_dict)")
+    rows = [dict(r) for r in load_rows(la.dataset)]
+    eval_rows = [dict(r) for r in load_rows(la.eval_dataset)] if la.eval_dataset else []
+    return SwiftTaskSource.from_spec(
+        la.multi_turn_scheduler,
+        dataset=rows,
+        eval_dataset=eval_rows,
+        plugins=la.external_plugins,
+        max_turns=la.max_turns or None,
+        reward_key=la.reward_key,
+        train_turns=la.loss_scale,
+        scheduler_kwargs={"tokenizer": tokenizer(args)},
+    )
+
+
+def tokenizer(args: Args):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_folder(args))
+
+
+def reward_fns(args: Args) -> tuple[list[Any], list[float] | None]:
+    """The task's own reward (unless --no-env-reward) and each --reward MODULE:FN, with weights."""
+    fns = [] if args.launch.no_env_reward else [environment_reward]
+    for spec in args.launch.reward:
+        try:
+            fn = load_object(spec, what="--reward")
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        if not callable(fn):
+            raise UsageError(f"--reward {spec}: {type(fn).__name__} is not callable")
+        fns.append(fn)
+    if not fns:
+        raise UsageError("--no-env-reward leaves no reward: add --reward MODULE:FN")
+    weights = list(args.launch.reward_weights) or None
+    if weights is not None and len(weights) != len(fns):
+        names = ", ".join(reward_name(f) for f in fns)
+        raise UsageError(
+            f"--reward-weights has {len(weights)} values for {len(fns)} reward functions ({names})"
+        )
+    return fns, weights
+
+
+def check(args: Args) -> TaskSource:
+    """Every check that needs no process group; returns the task source."""
+    b, t, r = args.backend, args.trainer, args.rollout
+    try:
+        distributed.check_layout(tp=b.tp, pp=b.pp, cp=b.cp, world=world_size())
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if t.batch_size % r.num_generations:
+        raise UsageError(
+            f"--num-generations {r.num_generations} does not fit --batch-size {t.batch_size}: "
+            "the batch must hold whole groups (a positive multiple of num_generations)"
+        )
+    if b.model not in (None, "smollm2") and not (Path(b.model) / "config.json").is_file():
+        raise UsageError(f"--model {b.model}: not an HF checkpoint folder (no config.json)")
+    if b.model is not None and b.backend == "deepspeed" and (Path(b.model) / "megatron.json").is_file():
+        raise UsageError(
+            f"--model {b.model}: a sharded megatron checkpoint; --backend deepspeed needs an HF folder "
+            "(convert it: launch/convert.py --megatron IN --hf OUT)"
+        )
+    folder = model_folder(args)
+    check_heads(json.loads((folder / "config.json").read_text()), b.tp, str(folder))
+    if b.vllm_sleep and b.engine != "vllm":
+        raise UsageError("--vllm-sleep puts vLLM to sleep during training: it needs --engine vllm")
+    if b.engine == "vllm":
+        check_vllm()
+        import torch
+
+        if b.vllm_sleep and not torch.cuda.is_available():
+            raise UsageError("--vllm-sleep: vLLM's sleep mode frees GPU memory and needs a GPU (none here)")
+    if args.launch.export_hf is not None and b.backend != "megatron":
+        raise UsageError("--export-hf is available with --backend megatron only")
+    source = task_source(args)
+    reward_fns(args)
+    if t.output_dir is not None:
+        try:
+            rundir.check(
+                Path(t.output_dir), run_info(args, source), resume=args.launch.resuming(t.output_dir)
+            )
+        except rundir.RunDirError as exc:
+            raise UsageError(str(exc)) from None
+    return source
+
+
+def run_info(args: Args, source: TaskSource) -> dict[str, Any]:
+    """What run.json holds: the trainer's description of the run and the launch options."""
+    from interlens_mcore.grpo.rewards import WeightedRewards
+    from trainers.grpo import describe_run
+
+    fns, weights = reward_fns(args)
+    rewards = WeightedRewards(fns, weights)
+    described = describe_run(args.trainer, args.rollout, args.loss, source, rewards, world_size())
+    launch = {k: v for k, v in dataclasses.asdict(args.launch).items() if k not in ("resume", "export_hf")}
+    return {**described, **dataclasses.asdict(args.backend), **launch}
+
+
+def check_vllm() -> None:
+    """--engine vllm needs vLLM importable here (a broken install fails at import, not only a missing one)."""
+    try:
+        import vllm  # noqa: F401
+    except Exception as exc:  # ImportError, or the RuntimeError of a build for another device
+        reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
+        raise UsageError(
+            f"--engine vllm: vLLM does not import here ({reason}); on a GPU install it with "
+            'pip install -e ".[all,vllm]", on CPU run in the environment .ci/vllm_stage.sh builds'
+        ) from None
+
+
+def check_heads(hf_config: dict, tp: int, where: str) -> None:
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        n = hf_config.get(key) or hf_config.get("num_attention_heads")
+        if n % tp:
+            raise UsageError(f"--tp {tp} does not divide {key}={n} of the model in {where}")
+
+
+def build_trainer(args: Args, source: TaskSource):
+    """Collective: process groups, the backend for --backend and the GRPO trainer."""
+    from trainers import GRPOTrainer, build_backend
+
+    path = model_folder(args)
+    tok = tokenizer(args)
+    backend, groups = build_backend(
+        args.backend,
+        args.trainer,
+        model_path=path,
+        tokenizer=tok,
+        temperature=args.rollout.temperature,
+        reference=args.loss.beta > 0,
+        trajectories_per_rank=args.trainer.batch_size * len(source.trained_seats),
+        micro_batch_size=args.rollout.micro_batch_size,
+    )
+    fns, weights = reward_fns(args)
+    return GRPOTrainer(
+        backend=backend,
+        tasks=source,
+        groups=groups,
+        tokenizer=tok,
+        config=args.trainer,
+        rollout_config=args.rollout,
+        loss_config=args.loss,
+        rewards=fns,
+        reward_weights=weights,
+        run_info=run_info(args, source),
+    )

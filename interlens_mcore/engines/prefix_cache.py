@@ -1,0 +1,155 @@
+"""Key/value reuse across turns: a turn encodes only what was appended since the last one.
+
+A multi-turn conversation's next prompt is its previous prompt, the sampled ids, the template's
+close, the other speakers' messages and a new generation prompt. `PrefixCachingEngine` keeps,
+per request tag (the conversation id under `co_step`), the keys and values of every token it
+already fed the model, and on the next call starts the prefill where that prefix ends.
+
+Example::
+
+    engine = PrefixCachingEngine(model, tokenizer)
+    policy = Policy("policy", engine, tokenizer)
+    co_step(convs, turns=None)       # turn k encodes only turn k's new tokens
+    optimizer.step(); engine.clear()  # cached keys/values belong to the old weights
+
+The cache is checked by content, not trusted by tag: a row reuses the longest common prefix
+of its prompt and the entry stored under its tag (at most all but the last prompt token, which
+must be fed to get the next-token logits). A tag whose history was edited therefore falls back
+to a longer prefill, never to wrong keys. Weights are not checked: call `clear()` after every
+optimizer step.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from .hf import HFEngine
+
+
+@dataclass
+class ReuseStats:
+    """Prompt tokens taken from the cache versus encoded by a prefill forward."""
+
+    reused_tokens: int = 0
+    prefill_tokens: int = 0
+
+    def reset(self) -> None:
+        self.reused_tokens, self.prefill_tokens = 0, 0
+
+
+@dataclass
+class _Entry:
+    ids: list[int]  # the tokens whose keys/values are stored, in order
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each [H, L, D]
+
+
+@dataclass
+class _Call:
+    """Bookkeeping of one generate call (the cache grows in HFEngine's decode loop)."""
+
+    tags: list[str]
+    cache: object = None  # the call's DynamicCache, captured at the prefill forward
+    ids: torch.Tensor | None = None  # [B, T] the token of every cache column
+    mask: torch.Tensor | None = None  # [B, T] 1 where the column holds a real token
+
+
+@dataclass
+class PrefixCachingEngine(HFEngine):
+    """`HFEngine` that keeps each tagged row's keys/values between calls (LRU, `max_entries`).
+
+    Same tokens as `HFEngine` (same left-padded layout, positions and sampling); only the
+    prefill forward is shortened. It works by intercepting `HFEngine._forward`: the prefill is
+    cut to the widest uncached suffix of the batch, and the columns before it are filled from
+    the stored entries.
+    """
+
+    max_entries: int = 4096
+    reuse: ReuseStats = field(default_factory=ReuseStats)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._call: _Call | None = None
+
+    def clear(self) -> None:
+        """Forget every cached prefix (required whenever the model's weights change)."""
+        self._entries.clear()
+
+    def _generate(self, requests, caps, synced):
+        self._call = _Call(tags=[r.tag for r in requests])
+        try:
+            out = super()._generate(requests, caps, synced)
+            self._store(self._call)
+        finally:
+            self._call = None
+        return out
+
+    def _forward(self, *, input_ids, attention_mask, position_ids, cache):
+        call = self._call
+        if call.cache is None:  # the prefill: the whole left-padded prompt batch
+            call.cache, call.ids = cache, input_ids
+            start = self._restore(input_ids, attention_mask, cache)
+            input_ids, position_ids = input_ids[:, start:], position_ids[:, start:]
+        else:
+            call.ids = torch.cat([call.ids, input_ids], dim=1)
+        call.mask = attention_mask
+        return super()._forward(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache
+        )
+
+    def _restore(self, ids: torch.Tensor, mask: torch.Tensor, cache) -> int:
+        """Fill `cache` with the stored columns before the first uncached one; return its index."""
+        b, width = ids.shape
+        rows = [r[m.bool()].tolist() for r, m in zip(ids.cpu(), mask.cpu())]
+        lens = [len(r) for r in rows]
+        reuse = []
+        for tag, row in zip(self._call.tags, rows):
+            entry = self._entries.get(tag) if tag else None
+            reuse.append(_common_prefix(entry.ids, row, len(row) - 1) if entry else 0)
+        start = width - max(n - k for n, k in zip(lens, reuse))  # [start, width) is recomputed
+        self.reuse.reused_tokens += sum(max(0, n - (width - start)) for n in lens)
+        self.reuse.prefill_tokens += b * (width - start)
+        if start == 0:
+            return 0
+        for layer, (k0, v0) in enumerate(self._some_entry_kv(reuse)):
+            shape = (b, k0.shape[0], start, k0.shape[-1])
+            keys, values = k0.new_zeros(shape), v0.new_zeros(shape)  # masked columns stay zero
+            for i, (tag, n) in enumerate(zip(self._call.tags, lens)):
+                take = n - (width - start)  # this row's real tokens left of `start`
+                if take > 0:
+                    k, v = self._entries[tag].kv[layer]
+                    keys[i, :, start - take :] = k[:, :take]
+                    values[i, :, start - take :] = v[:, :take]
+            cache.update(keys.to(ids.device), values.to(ids.device), layer)
+        return start
+
+    def _some_entry_kv(self, reuse: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        # start > 0 implies every row reuses something, so any row's entry gives the shapes
+        i = next(i for i, k in enumerate(reuse) if k > 0)
+        return self._entries[self._call.tags[i]].kv
+
+    def _store(self, call: _Call) -> None:
+        """Keep every tagged row's real columns (prompt + all fed sampled ids) for next time."""
+        if call.cache is None:
+            return
+        layers = [(layer.keys, layer.values) for layer in call.cache.layers]  # each [B, H, T, D]
+        for i, tag in enumerate(call.tags):
+            if not tag:
+                continue
+            real = call.mask[i].bool().cpu()  # [T]
+            kv = [(k[i][:, real].cpu(), v[i][:, real].cpu()) for k, v in layers]
+            self._entries[tag] = _Entry(ids=call.ids[i][real].tolist(), kv=kv)
+            self._entries.move_to_end(tag)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

@@ -1,0 +1,108 @@
+"""Run the launch scripts as a user would: torchrun (or python) in a subprocess with a deadline."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN = ROOT / "launch" / "train_grpo.py"
+# a few small steps: every test run stays well under a minute on 2 cores
+SMALL = ["--batch-size", "8", "--num-generations", "4", "--max-new-tokens", "4", "--save-every", "2"]
+SMALL += ["--eval-size", "4"]
+
+
+def env(**extra: str) -> dict[str, str]:
+    e = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    # the launch scripts import the package as installed; this checkout's copy comes first, so a
+    # test runs the code beside it even where another checkout is the installed one
+    e["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    e.pop("PYTHONWARNINGS", None)  # bad-input tests check that stderr holds exactly one line
+    e.update(extra)
+    return e
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of `pid` (torchrun starts its workers in sessions of their own)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def kill_all(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher and every worker it started."""
+    for pid in [*children(proc.pid), proc.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=30)
+
+
+def torchrun(
+    *args: str, nproc: int = 2, timeout: float = 240, script: Path = TRAIN, cwd: Path = ROOT, **extra_env: str
+) -> subprocess.CompletedProcess:
+    """Run to completion; on timeout kill torchrun *and* its workers, which would outlive it."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(script),
+    ]
+    proc = subprocess.Popen(
+        [*cmd, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env(**extra_env),
+        cwd=cwd,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_all(proc)
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def python(*args: str, timeout: float = 120, **extra_env: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(TRAIN), *args]
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env=env(**extra_env), cwd=ROOT
+    )
+
+
+def metrics(out: Path) -> list[dict]:
+    """The training steps' records (the end-of-run evaluation line left out: see `evaluations`)."""
+    return [r for r in all_records(out) if "reward_mean" in r]
+
+
+def all_records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def evaluations(out: Path) -> list[dict]:
+    """Every record holding evaluation figures, the end-of-run one (step == steps) included."""
+    return [r for r in all_records(out) if any(k.startswith("eval/") for k in r)]
+
+
+def train_main():
+    """`launch/train_grpo.py`'s `main` in this process (for the checks that run before any process group)."""
+    import importlib
+
+    launch = str(ROOT / "launch")
+    if launch not in sys.path:
+        sys.path.insert(0, launch)
+    return importlib.import_module("train_grpo").main

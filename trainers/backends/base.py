@@ -1,0 +1,74 @@
+"""`Backend`: what the GRPO loop needs from a training framework (`factory.build_backend` builds ours).
+
+Two backends ship: `MegatronBackend` (megatron-core GPTModel, TP x DP, packed THD batches) and
+`DeepSpeedBackend` (an HF model under ZeRO 1/2/3, padded batches). A backend of your own is any
+object with these members::
+
+    class MyBackend:
+        engine = HFEngine(model, tokenizer)     # generates with the weights being trained
+        layout, pad_to_multiple = "padded", 1   # how the loop builds TrainingBatches for it
+        micro_batches = None                    # or the exact count a step must have
+        has_reference = False                   # a frozen reference model for the KL term?
+
+        def logprobs_of(self, batch, *, reference=False): ...  # [B, T], with grad for the policy
+        def backward(self, loss): ...
+        def optimizer_step(self) -> float: ...  # global grad norm; skip the update if not finite
+        def save(self, folder): ...
+        def load(self, folder): ...
+        def export_hf(self, out_dir): ...
+        def frozen_engine(self): ...            # the initial weights, for frozen opponent seats
+        def sync_engine_weights(self) -> float: ...  # after the optimizer steps; seconds taken
+
+Both backends take `vllm=VLLMConfig(...)` (`--engine vllm`): `engine` is then a `VLLMEngine`
+colocated in the training ranks on the rollout group, and `sync_engine_weights` hands it the
+trained weights from memory. With their own engine (`--engine native`) it does nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from interlens_mcore.engines.base import Engine
+from interlens_mcore.grpo.batch import TrainingBatch
+
+
+class Backend(Protocol):
+    engine: Engine
+    layout: str
+    pad_to_multiple: int
+    micro_batches: int | None
+    has_reference: bool
+
+    def logprobs_of(self, batch: TrainingBatch, *, reference: bool = False) -> torch.Tensor:
+        """[B, T] logprobs of batch.targets: the trained model's (with gradient) or the reference's."""
+
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    def optimizer_step(self) -> float:
+        """Clip, step, zero the gradients; returns the global gradient norm (collective).
+
+        The norm is over the whole model: every TP shard, after the DP average. When it is not
+        finite (NaN or inf) the step is NOT applied: the gradients are zeroed, weights and
+        optimizer state stay untouched, and the norm is returned as is so the caller counts the
+        skip. Every rank must reach the same decision, which holds because every rank returns
+        the same global norm.
+        """
+
+    def save(self, folder: Path) -> None:
+        """Write model and optimizer state of this rank into `folder` (collective)."""
+
+    def load(self, folder: Path) -> None: ...
+
+    def export_hf(self, out_dir: str | Path) -> Path: ...
+
+    def frozen_engine(self) -> Engine: ...
+
+    def sync_engine_weights(self) -> float:
+        """Give the generating engine the trained weights; returns the seconds it took (collective).
+
+        Every rank calls it at the same point, after the optimizer steps of a rollout. An engine
+        that generates with the trained model itself needs nothing: 0.0.
+        """

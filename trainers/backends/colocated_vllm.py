@@ -1,0 +1,45 @@
+"""A backend's colocated vLLM engine and its weight syncs (`--engine vllm`), shared by both backends."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from interlens_mcore.engines.vllm import VLLMConfig
+
+
+class ColocatedVLLM:
+    """A backend's `VLLMEngine` and what it needs around it: weight syncs, sleep during training.
+
+    With `VLLMConfig.enable_sleep` (GPU) vLLM frees its memory at the first training forward
+    after a rollout (`idle`) and takes it back before the next weight sync.
+    """
+
+    def __init__(self, model_path: Path, config: VLLMConfig, *, group: Any, tensors: Callable[[], Iterable]):
+        from interlens_mcore.engines.vllm import VLLMEngine
+
+        # a sharded megatron checkpoint has no HF weights for vLLM to read: start from random
+        # ones and sync the real ones at once
+        megatron = (Path(model_path) / "megatron.json").is_file()
+        if megatron:
+            config = dataclasses.replace(config, extra={**config.extra, "load_format": "dummy"})
+        self.engine = VLLMEngine.create(str(model_path), config, group=group)
+        self.tensors, self.sleep, self.asleep = tensors, config.enable_sleep, False
+        if megatron:
+            self.sync()
+
+    def idle(self) -> None:
+        if self.sleep and not self.asleep:
+            self.engine.release()
+            self.asleep = True
+
+    def sync(self) -> float:
+        t0 = time.perf_counter()
+        if self.asleep:
+            self.engine.resume()
+            self.asleep = False
+        self.engine.update_weights(self.tensors())
+        return time.perf_counter() - t0

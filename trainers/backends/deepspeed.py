@@ -1,0 +1,188 @@
+"""`DeepSpeedBackend`: a `transformers` causal LM under DeepSpeed ZeRO stage 1, 2 or 3.
+
+Placement: every rank is a DP replica (ZeRO shards optimizer state, gradients and, at stage
+3, the parameters over the DP group). At stage 3 every forward gathers parameters across the
+DP group, so generation is collective over it: the HF engine runs in lockstep mode
+(`sync_group`) and the rollout vote covers the same group. Below stage 3 each rank generates
+on its own, and so does a colocated vLLM (`vllm=VLLMConfig(...)`, TP=1 on every rank) at any
+stage: it holds whole weights, which `sync_engine_weights` gathers into it after each step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from interlens_mcore.engines.hf import HFEngine
+from interlens_mcore.engines.prefix_cache import PrefixCachingEngine
+from interlens_mcore.engines.vllm import VLLMConfig
+from interlens_mcore.engines.weight_sync import hf_tensors, zero3_hf_tensors
+from interlens_mcore.grpo.batch import TrainingBatch
+from interlens_mcore.grpo.logprobs import token_logprobs
+
+from .colocated_vllm import ColocatedVLLM
+
+
+def deepspeed_config(
+    *, zero_stage: int, lr: float, weight_decay: float, grad_clip: float, micro_batches: int
+) -> dict:
+    """The DeepSpeed JSON config the trainer uses by default (users may pass their own)."""
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        # the trainer calls backward once per micro-batch and step() after each; DeepSpeed
+        # applies the optimizer at the accumulation boundary
+        "gradient_accumulation_steps": micro_batches,
+        "gradient_clipping": grad_clip,
+        # persistence threshold 0: ZeRO-3 otherwise keeps small parameters gathered, and a gather
+        # made inside the engine's inference_mode would leave inference tensors for backward
+        "zero_optimization": {"stage": zero_stage, "stage3_param_persistence_threshold": 0},
+        "optimizer": {
+            "type": "AdamW",
+            # torch's AdamW: DeepSpeed's fused one needs CUDA
+            "params": {"lr": lr, "weight_decay": weight_decay, "torch_adam": True},
+        },
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+class DeepSpeedBackend:
+    """An HF model wrapped by `deepspeed.initialize` from a JSON config dict.
+
+    `reference=True` keeps a frozen copy of the initial weights for the KL term.
+    """
+
+    layout = "padded"
+    pad_to_multiple = 1
+
+    def __init__(
+        self,
+        *,
+        model_path: str | Path,
+        ds_config: dict,
+        groups: Any,
+        tokenizer: Any,
+        temperature: float = 1.0,
+        reference: bool = False,
+        vllm: VLLMConfig | None = None,
+    ):
+        import deepspeed
+        from transformers import AutoModelForCausalLM
+
+        self.groups, self.tokenizer, self.temperature = groups, tokenizer, temperature or 1.0
+        self._frozen_engine = None  # a frozen opponent's: built on first use
+        self.model_path = Path(model_path)
+        self.zero_stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
+        # a non-finite step is skipped by ZeRO's optimizers (see optimizer_step); without ZeRO,
+        # or in bf16 with the check turned off, DeepSpeed would apply it
+        if self.zero_stage not in (1, 2, 3):
+            raise ValueError(f"ds_config zero_optimization.stage must be 1, 2 or 3, got {self.zero_stage}")
+        if self.zero_stage < 3 and ds_config.get("bf16", {}).get("check_grad_overflow") is False:
+            raise ValueError(
+                "ds_config bf16.check_grad_overflow must stay true at ZeRO stage 1 and 2: "
+                "it is what skips a non-finite step there"
+            )
+        # DeepSpeed steps at its accumulation boundary: one backward per micro-batch must reach
+        # it exactly, or gradients would leak into the next rollout's step
+        self.micro_batches = int(ds_config.get("gradient_accumulation_steps", 1))
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        self.reference = self._initial_model() if reference else None
+        self.ds, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=ds_config
+        )
+        self._skipped_seen = self.ds.skipped_steps
+        self.colocated = None
+        if vllm is not None:
+            if vllm.tensor_parallel_size != 1:
+                raise ValueError(
+                    f"VLLMConfig.tensor_parallel_size {vllm.tensor_parallel_size}: the deepspeed backend "
+                    "colocates one vLLM of TP 1 on every rank"
+                )
+            gather = zero3_hf_tensors if self.zero_stage == 3 else hf_tensors
+            self.colocated = ColocatedVLLM(
+                self.model_path, vllm, group=None, tensors=lambda: gather(self.ds.module)
+            )
+            self.engine = self.colocated.engine
+        else:
+            # the lockstep flag is a CPU tensor: it rides the gloo vote group over the same ranks
+            sync = groups.vote if self.zero_stage == 3 else None
+            # the prefix cache keeps each conversation's keys/values between its turns (the same
+            # tokens as HFEngine, a shorter prefill); it is cleared whenever the weights change
+            self.engine = PrefixCachingEngine(self.ds.module, tokenizer, sync_group=sync)
+
+    @property
+    def has_reference(self) -> bool:
+        return self.reference is not None
+
+    def _initial_model(self) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        return model.eval().requires_grad_(False)
+
+    def frozen_engine(self) -> HFEngine:
+        """The initial weights (the KL reference when there is one), generating as "frozen".
+
+        A whole model on every rank, outside ZeRO: its forwards are not collective.
+        """
+        if self._frozen_engine is None:
+            model = self.reference if self.reference is not None else self._initial_model()
+            self._frozen_engine = HFEngine(model, self.tokenizer, name="frozen")
+        return self._frozen_engine
+
+    def logprobs_of(self, batch: TrainingBatch, *, reference: bool = False) -> torch.Tensor:
+        """[N, T] logprobs of batch.targets: the trained model's with gradient, or the reference's."""
+        if self.colocated is not None:
+            self.colocated.idle()  # the rollout is over: vLLM may free its memory until the sync
+        if reference:
+            with torch.no_grad():
+                return self._logprobs(self.reference, batch)
+        self.ds.train()
+        return self._logprobs(self.ds, batch)
+
+    def _logprobs(self, model: torch.nn.Module, batch: TrainingBatch) -> torch.Tensor:
+        attention = (batch.sample_ids >= 0).long()  # [N, T] right padding
+        logits = model(
+            input_ids=batch.input_ids, attention_mask=attention, position_ids=batch.position_ids
+        ).logits
+        return token_logprobs(logits, batch.targets, temperature=self.temperature)  # [N, T]
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # DeepSpeed averages over DP ranks and divides by the accumulation steps; the loss is
+        # already divided by the global token count, so undo both
+        self.ds.backward(loss * self.groups.dp_size * self.micro_batches)
+        self.ds.step()
+
+    def optimizer_step(self) -> float:
+        # DeepSpeed stepped inside the last backward (the accumulation boundary). Its ZeRO
+        # optimizers (stage 1/2 and 3, in fp32 too) take the global norm over every DP rank and,
+        # when it is not finite, zero the gradients and skip the update, counting it in
+        # `skipped_steps`: all that is left here is to report it with a non-finite norm
+        if self.ds.skipped_steps != self._skipped_seen:
+            self._skipped_seen = self.ds.skipped_steps
+            return float("inf")
+        norm = self.ds.get_global_grad_norm()
+        return float(norm) if norm is not None else 0.0
+
+    def sync_engine_weights(self) -> float:
+        """See `Backend.sync_engine_weights`: ZeRO-3 gathers each parameter (collective over DP).
+
+        With the native engine nothing moves (it generates with the trained module itself): its
+        prefix cache is cleared.
+        """
+        if self.colocated is not None:
+            return self.colocated.sync()
+        self.engine.clear()  # the cached keys/values were computed with the old weights
+        return 0.0
+
+    def save(self, folder: Path) -> None:
+        self.ds.save_checkpoint(str(folder), tag="deepspeed")
+
+    def load(self, folder: Path) -> None:
+        path, _ = self.ds.load_checkpoint(str(folder), tag="deepspeed")
+        if path is None:
+            raise ValueError(f"checkpoint {folder} holds no DeepSpeed state")
+        self._skipped_seen = self.ds.skipped_steps  # the engine's counter comes back with it
+        self.sync_engine_weights()  # a resumed run generates with the weights it resumes from

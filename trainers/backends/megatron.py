@@ -1,0 +1,196 @@
+"""`MegatronBackend`: a megatron-core GPTModel converted from an HF folder, TP x DP.
+
+Placement: megatron's parallel_state splits the world into TP groups (one model shard each)
+and DP groups (replicas). The rollout group is the TP group of one DP index: its ranks bring
+distinct conversations to each (collective) generation call, then share their trajectories,
+because a TP forward needs identical inputs on every rank of the group (the GRPO loop does
+that for any backend whose groups have TP > 1).
+
+Training goes through one seam (`interlens_mcore.megatron.training`): on GPU megatron's own
+DistributedDataParallel and distributed optimizer (bf16 weights, fp32 main weights); on CPU,
+where those need CUDA, torch DDP over the DP group and a torch AdamW. Checkpoints are sharded
+(`interlens_mcore.megatron.checkpoint`) and reshard: a run saved at TP=2 resumes at TP=1.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from interlens_mcore import distributed
+from interlens_mcore.engines.vllm import VLLMConfig
+from interlens_mcore.engines.weight_sync import megatron_hf_tensors
+from interlens_mcore.grpo.batch import TrainingBatch
+from interlens_mcore.grpo.logprobs import token_logprobs, vocab_parallel_token_logprobs
+from interlens_mcore.megatron import build_model, export_hf, forward_logits, load_layout
+from interlens_mcore.megatron import checkpoint as megatron_checkpoint
+from interlens_mcore.megatron.engine import MegatronEngine
+from interlens_mcore.megatron.model import compute_autocast, vocab_start
+from interlens_mcore.megatron.training import TrainingOptions, build_training, choose_path, model_overrides
+from interlens_mcore.megatron.weights import copy_hf_files, load_weights
+
+from .colocated_vllm import ColocatedVLLM
+
+
+class MegatronBackend:
+    """A megatron-core model for GRPO; `distributed.init_megatron(tp)` must have run.
+
+    `reference=True` keeps a frozen copy of the initial weights for the KL term. With `vllm`
+    (its `tensor_parallel_size` the TP size) a colocated vLLM over the rollout group generates
+    instead of `MegatronEngine`, and `sync_engine_weights` gathers the TP shards into it.
+    """
+
+    layout = "packed"
+    pad_to_multiple = 1
+    micro_batches = None  # any number of micro-batches per step
+
+    def __init__(
+        self,
+        *,
+        model_path: str | Path,
+        groups: distributed.ParallelGroups,
+        lr: float,
+        weight_decay: float = 0.0,
+        grad_clip: float = 1.0,
+        temperature: float = 1.0,
+        reference: bool = False,
+        seed: int = 0,
+        tokenizer: Any = None,
+        vllm: VLLMConfig | None = None,
+        compute_dtype: torch.dtype | None = None,
+    ):
+        self.groups, self.temperature, self.tokenizer = groups, temperature or 1.0, tokenizer
+        self._frozen_engine = None  # a frozen opponent's: built on first use
+        self.compute_dtype = compute_dtype  # autocast dtype of every forward (None: the weights')
+        self.model_path = Path(model_path)  # an HF folder or a sharded megatron checkpoint
+        self.layout_info = load_layout(self.model_path)
+        options = TrainingOptions(lr=lr, weight_decay=weight_decay, grad_clip=grad_clip)
+        self.path = choose_path()  # megatron's DDP and optimizer on GPU, torch's on CPU
+        overrides = model_overrides(options, path=self.path, tp_size=self.layout_info.tp_size)
+        self.params_dtype = overrides.pop("params_dtype", torch.float32)
+        self.overrides = overrides
+        if self.path == "megatron":
+            from megatron.core import tensor_parallel
+
+            tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        self.model = self._initial_model(trainable=True)
+        self.reference = self._initial_model() if reference else None
+        self.training = build_training(self.model, options, groups, path=self.path)
+        self.train_model, self.optimizer = self.training.train_model, self.training.optimizer
+        self.colocated = None
+        if vllm is not None:
+            if vllm.tensor_parallel_size != groups.tp_size:
+                raise ValueError(
+                    f"VLLMConfig.tensor_parallel_size {vllm.tensor_parallel_size} must equal the "
+                    f"trainer's TP {groups.tp_size}: vLLM's TP group is the rollout group"
+                )
+            self.colocated = ColocatedVLLM(
+                self.model_path,
+                vllm,
+                group=groups.rollout,
+                tensors=lambda: megatron_hf_tensors(self.model, self.layout_info),
+            )
+            self.engine = self.colocated.engine
+        else:
+            # the tokenizer decodes sampled ids for stop strings (a tool call's closing tag)
+            self.engine = MegatronEngine(
+                self.model,
+                self.layout_info,
+                group=groups.rollout,
+                tp_group=groups.tp,
+                tokenizer=tokenizer,
+                compute_dtype=compute_dtype,
+            )
+
+    @property
+    def has_reference(self) -> bool:
+        return self.reference is not None
+
+    def _initial_model(self, *, trainable: bool = False) -> torch.nn.Module:
+        # a second model from the same folder (megatron modules hold process groups: no deepcopy)
+        model = build_model(
+            self.layout_info, init_weights=False, params_dtype=self.params_dtype, **self.overrides
+        )
+        load_weights(model, self.layout_info, self.model_path)
+        if self.path == "megatron":
+            model = model.cuda()
+        return model if trainable else model.eval().requires_grad_(False)
+
+    def frozen_engine(self) -> MegatronEngine:
+        """The initial weights (the KL reference when there is one), generating as "frozen"."""
+        if self._frozen_engine is None:
+            model = self.reference if self.reference is not None else self._initial_model()
+            self._frozen_engine = MegatronEngine(
+                model,
+                self.layout_info,
+                group=self.groups.rollout,
+                tp_group=self.groups.tp,
+                name="frozen",
+                tokenizer=self.tokenizer,
+                compute_dtype=self.compute_dtype,
+            )
+        return self._frozen_engine
+
+    def logprobs_of(self, batch: TrainingBatch, *, reference: bool = False) -> torch.Tensor:
+        """[1, T] logprobs of batch.targets: the trained model's with gradient, or the reference's."""
+        if batch.layout != "packed" or batch.num_tokens != batch.input_ids.shape[1]:
+            raise ValueError("MegatronBackend needs packed batches without padding (pad_to_multiple=1)")
+        if self.colocated is not None:
+            self.colocated.idle()  # the rollout is over: vLLM may free its memory until the sync
+        if reference:
+            with torch.no_grad():
+                return self._logprobs(self.reference, batch)
+        self.train_model.train()
+        return self._logprobs(self.train_model, batch)
+
+    def _logprobs(self, model: torch.nn.Module, batch: TrainingBatch) -> torch.Tensor:
+        logits = forward_logits(  # [T, V_pad / tp]
+            model, self.layout_info, batch.input_ids, batch.cu_seqlens, compute_dtype=self.compute_dtype
+        )
+        targets = batch.targets[0]  # [T]
+        t = self.temperature
+        if self.groups.tp_size == 1:
+            lp = token_logprobs(logits, targets, temperature=t)
+        else:
+            lp = vocab_parallel_token_logprobs(
+                logits,
+                targets,
+                vocab_start=vocab_start(self.layout_info),
+                temperature=t,
+                group=self.groups.tp,
+            )
+        return lp[None]  # [1, T]
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # megatron's linear layers save the autocast state of the CUDA device for their backward;
+        # on CPU the backward itself runs under autocast, so its matmuls see one dtype
+        with compute_autocast(loss.device.type, self.compute_dtype):
+            self.training.backward(loss)
+
+    def optimizer_step(self) -> float:
+        """See `Backend.optimizer_step`: one global norm on every rank, a non-finite one skips."""
+        return self.training.step()
+
+    def sync_engine_weights(self) -> float:
+        """See `Backend.sync_engine_weights`: TP shards gathered into vLLM (collective over TP)."""
+        return self.colocated.sync() if self.colocated is not None else 0.0
+
+    def grad_norm(self) -> torch.Tensor:
+        """The 2-norm of the whole model's gradient (collective over TP), float64 (CPU path)."""
+        return self.training.grad_norm()
+
+    def save(self, folder: Path) -> None:
+        """A sharded checkpoint (collective): it loads at any TP size, and as `--model` too."""
+        megatron_checkpoint.save(folder, self.model, self.layout_info, self.optimizer)
+        if distributed.rank() == 0:
+            copy_hf_files(self.model_path, folder)
+
+    def load(self, folder: Path) -> None:
+        megatron_checkpoint.load(folder, self.model, self.layout_info, self.optimizer)
+        self.sync_engine_weights()  # a resumed run generates with the weights it resumes from
+
+    def export_hf(self, out_dir: str | Path) -> Path:
+        """The trained weights as an HF folder (collective over the world)."""
+        return export_hf(self.model, self.layout_info, self.model_path, out_dir)
