@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .backends.registry import BACKENDS
+
 REPORTERS = ("jsonl", "tensorboard", "wandb")
 
 
@@ -98,9 +100,12 @@ class TrainerConfig:
 class BackendConfig:
     """Which training backend holds the model, and how it is split."""
 
-    backend: Literal["megatron", "deepspeed"] = field(
+    backend: str = field(
         default="megatron",
-        metadata={"help": "megatron (megatron-core GPTModel) or deepspeed (HF model, ZeRO)"},
+        metadata={
+            "help": "megatron (megatron-core GPTModel) or deepspeed (HF model, ZeRO)",
+            "choices": tuple(BACKENDS),
+        },
     )
     model: str | None = field(
         default=None,
@@ -138,6 +143,8 @@ class BackendConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"BackendConfig.backend {self.backend!r}: expected one of {', '.join(BACKENDS)}")
         if self.tp < 1:
             raise ValueError(f"BackendConfig.tp must be >= 1, got {self.tp}")
         if self.backend == "deepspeed" and self.tp != 1:

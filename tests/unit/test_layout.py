@@ -112,7 +112,7 @@ def test_the_graph_counts_lazy_type_only_and_package_imports():
     # a TYPE_CHECKING import (stop conditions annotate with the trajectory's Message)
     assert "interlens_mcore.types" in graph["interlens_mcore.rollout.stop"]
     # importing interlens_mcore.engines.vllm runs interlens_mcore.engines's __init__ first
-    assert "interlens_mcore.engines" in graph["trainers.backends.factory"]
+    assert "interlens_mcore.engines" in graph["trainers.backends.colocated_vllm"]
 
 
 def test_every_import_of_the_packages_names_a_module_of_them():

@@ -30,9 +30,13 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
+from interlens_mcore.distributed import ParallelGroups
 from interlens_mcore.engines.base import Engine
 from interlens_mcore.grpo.batch import TrainingBatch
+
+from ..config import BackendConfig, TrainerConfig
 
 
 class Backend(Protocol):
@@ -72,3 +76,25 @@ class Backend(Protocol):
         Every rank calls it at the same point, after the optimizer steps of a rollout. An engine
         that generates with the trained model itself needs nothing: 0.0.
         """
+
+
+class BackendBuilder(Protocol):
+    """The `build` function of a backend's module (`registry.BACKENDS` names the module).
+
+    Collective: makes the process groups the backend trains on (after any framework setup
+    they need) and the backend. `trajectories_per_rank` is samples x trained seats per step,
+    `micro_batch_size` the trajectories of one micro-batch (0: one micro-batch).
+    """
+
+    def __call__(
+        self,
+        cfg: BackendConfig,
+        trainer: TrainerConfig,
+        *,
+        model_path: Path,
+        tokenizer: PreTrainedTokenizerBase,
+        temperature: float,
+        reference: bool,
+        trajectories_per_rank: int,
+        micro_batch_size: int,
+    ) -> tuple[Backend, ParallelGroups]: ...

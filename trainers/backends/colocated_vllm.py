@@ -10,6 +10,8 @@ from typing import Any
 
 from interlens_mcore.engines.vllm import VLLMConfig
 
+from ..config import BackendConfig
+
 
 class ColocatedVLLM:
     """A backend's `VLLMEngine` and what it needs around it: weight syncs, sleep during training.
@@ -43,3 +45,14 @@ class ColocatedVLLM:
             self.asleep = False
         self.engine.update_weights(self.tensors())
         return time.perf_counter() - t0
+
+
+def vllm_config(cfg: BackendConfig, tp: int) -> VLLMConfig | None:
+    """The colocated vLLM `cfg` asks for (`--engine vllm`) at TP size `tp`, or None (native)."""
+    if cfg.engine == "native":
+        return None
+    return VLLMConfig(
+        tensor_parallel_size=tp,
+        gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+        enable_sleep=cfg.vllm_sleep,
+    )

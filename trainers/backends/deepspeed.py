@@ -10,11 +10,14 @@ stage: it holds whole weights, which `sync_engine_weights` gathers into it after
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
+from interlens_mcore import distributed
 from interlens_mcore.engines.hf import HFEngine
 from interlens_mcore.engines.prefix_cache import PrefixCachingEngine
 from interlens_mcore.engines.vllm import VLLMConfig
@@ -22,7 +25,46 @@ from interlens_mcore.engines.weight_sync import hf_tensors, zero3_hf_tensors
 from interlens_mcore.grpo.batch import TrainingBatch
 from interlens_mcore.grpo.logprobs import token_logprobs
 
-from .colocated_vllm import ColocatedVLLM
+from ..config import BackendConfig, TrainerConfig
+from .colocated_vllm import ColocatedVLLM, vllm_config
+
+
+def build(
+    cfg: BackendConfig,
+    trainer: TrainerConfig,
+    *,
+    model_path: Path,
+    tokenizer: PreTrainedTokenizerBase,
+    temperature: float,
+    reference: bool,
+    trajectories_per_rank: int,
+    micro_batch_size: int,
+) -> tuple[DeepSpeedBackend, distributed.ParallelGroups]:
+    """`base.BackendBuilder` for `--backend deepspeed`: `trajectories_per_rank` fixes the accumulation."""
+    # ZeRO-3 gathers parameters in every forward: HFEngine's generation is collective over the DP
+    # group. vLLM (TP=1 on each rank) holds whole weights of its own and generates alone
+    lockstep = cfg.zero_stage == 3 and cfg.engine == "native"
+    groups = distributed.build_groups(
+        rollout="data_parallel" if lockstep else "model_parallel", vote_timeout_s=trainer.collective_timeout_s
+    )
+    micro = math.ceil(trajectories_per_rank / micro_batch_size) if micro_batch_size else 1
+    ds = deepspeed_config(
+        zero_stage=cfg.zero_stage,
+        lr=trainer.lr,
+        weight_decay=trainer.weight_decay,
+        grad_clip=trainer.grad_clip,
+        micro_batches=micro,
+    )
+    backend = DeepSpeedBackend(
+        model_path=model_path,
+        ds_config=ds,
+        groups=groups,
+        tokenizer=tokenizer,
+        temperature=temperature,
+        reference=reference,
+        vllm=vllm_config(cfg, 1),
+    )
+    return backend, groups
 
 
 def deepspeed_config(

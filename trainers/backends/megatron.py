@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from interlens_mcore import distributed
 from interlens_mcore.engines.vllm import VLLMConfig
@@ -31,7 +32,37 @@ from interlens_mcore.megatron.model import compute_autocast, vocab_start
 from interlens_mcore.megatron.training import TrainingOptions, build_training, choose_path, model_overrides
 from interlens_mcore.megatron.weights import copy_hf_files, load_weights
 
-from .colocated_vllm import ColocatedVLLM
+from ..config import BackendConfig, TrainerConfig
+from .colocated_vllm import ColocatedVLLM, vllm_config
+
+
+def build(
+    cfg: BackendConfig,
+    trainer: TrainerConfig,
+    *,
+    model_path: Path,
+    tokenizer: PreTrainedTokenizerBase,
+    temperature: float,
+    reference: bool,
+    trajectories_per_rank: int,
+    micro_batch_size: int,
+) -> tuple[MegatronBackend, distributed.ParallelGroups]:
+    """`base.BackendBuilder` for `--backend megatron`: megatron's TP x DP split, then the model."""
+    distributed.init_megatron(cfg.tp, timeout_s=trainer.collective_timeout_s)
+    groups = distributed.build_groups(rollout="model_parallel", vote_timeout_s=trainer.collective_timeout_s)
+    backend = MegatronBackend(
+        model_path=model_path,
+        groups=groups,
+        lr=trainer.lr,
+        weight_decay=trainer.weight_decay,
+        grad_clip=trainer.grad_clip,
+        temperature=temperature,
+        reference=reference,
+        tokenizer=tokenizer,
+        vllm=vllm_config(cfg, groups.tp_size),  # vLLM's TP group is the rollout group: the trainer's TP
+        compute_dtype=torch.bfloat16 if cfg.bf16 else None,
+    )
+    return backend, groups
 
 
 class MegatronBackend:
