@@ -1,0 +1,102 @@
+"""The toy backend of docs/guide.md ("Adding a backend"), taken from the page, trains two steps.
+
+The block is written out as a module, registered in `registry.BACKENDS` as the page says, and
+built through `build_backend` from a `BackendConfig` naming it: the same path `--backend` takes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from interlens_mcore import distributed
+from interlens_mcore.grpo.loss.config import LossConfig
+from interlens_mcore.grpo.rewards import environment_reward
+from interlens_mcore.rollout.rollouter import RolloutConfig
+from interlens_mcore.tasks import GuessTasks
+from trainers import BackendConfig, GRPOTrainer, TrainerConfig, build_backend
+from trainers.backends import registry
+from trainers.backends.factory import builder
+
+GUIDE = Path(__file__).resolve().parents[3] / "docs" / "guide.md"
+
+
+def toy_backend_code() -> str:
+    section = re.split(r"^## ", GUIDE.read_text(), flags=re.M)
+    (body,) = [s for s in section if s.startswith("Adding a backend\n")]
+    return re.findall(r"```python\n(.*?)```", body, flags=re.S)[0]
+
+
+def test_the_toy_backend_is_about_30_lines():
+    code = toy_backend_code()
+    toy_class = code[code.index("class ToyBackend") :]
+    assert len(toy_class.splitlines()) < 30
+    assert len(code.splitlines()) <= 40
+
+
+def sampled_token_sum(trajectories, rows):
+    """A reward the samples of the untrained tiny model differ in (guess-a-number gives them all 0)."""
+    sums = [sum(i for i, m in zip(t.token_ids, t.loss_mask, strict=True) if m) for t in trajectories]
+    return [float(s % 17) for s in sums]
+
+
+@pytest.fixture
+def toy(tmp_path, monkeypatch):
+    """The page's block as module `toy_backend`, registered as --backend toy; a one-rank world."""
+    (tmp_path / "toy_backend.py").write_text(toy_backend_code())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(registry.BACKENDS, "toy", "toy_backend")
+    distributed.init_distributed()
+    yield
+    distributed.destroy()
+
+
+def test_the_toy_backend_from_the_guide_trains_two_steps(toy, tiny_path, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    config = TrainerConfig(steps=2, batch_size=4, eval_every=0, output_dir=str(tmp_path / "run"))
+    backend, groups = build_backend(
+        BackendConfig(backend="toy"),
+        config,
+        model_path=tiny_path,
+        tokenizer=tokenizer,
+        temperature=1.0,
+        reference=False,
+        trajectories_per_rank=4,
+        micro_batch_size=0,
+    )
+    assert type(backend).__name__ == "ToyBackend"
+    before = [p.detach().clone() for p in backend.model.parameters()]
+    trainer = GRPOTrainer(
+        backend=backend,
+        tasks=GuessTasks(),
+        groups=groups,
+        tokenizer=tokenizer,
+        config=config,
+        rollout_config=RolloutConfig(num_generations=2, max_new_tokens=4),
+        loss_config=LossConfig(beta=0.0),
+        rewards=[environment_reward, sampled_token_sum],
+    )
+    records = trainer.train()
+    assert [r["step"] for r in records] == [0, 1]
+    written = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in written] == [0, 1]
+    after = list(backend.model.parameters())
+    assert any(not torch.equal(b, a.detach()) for b, a in zip(before, after, strict=True))
+
+
+def test_every_registered_backend_has_a_build_function():
+    # importing the modules needs neither megatron-core nor DeepSpeed: they import them lazily
+    assert all(callable(builder(name)) for name in registry.BACKENDS)
+
+
+def test_an_unknown_backend_names_the_flag_and_the_known_ones():
+    expected = "expected one of megatron, deepspeed"
+    with pytest.raises(ValueError, match=f"--backend 'fsdp': {expected}"):
+        builder("fsdp")
+    with pytest.raises(ValueError, match=f"BackendConfig.backend 'fsdp': {expected}"):
+        BackendConfig(backend="fsdp")
