@@ -18,6 +18,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from interlens_mcore import distributed
+from interlens_mcore.engines.base import Engine
 from interlens_mcore.engines.hf import HFEngine
 from interlens_mcore.engines.prefix_cache import PrefixCachingEngine
 from interlens_mcore.engines.vllm import VLLMConfig
@@ -114,7 +115,7 @@ class DeepSpeedBackend:
         from transformers import AutoModelForCausalLM
 
         self.groups, self.tokenizer, self.temperature = groups, tokenizer, temperature or 1.0
-        self._frozen_engine = None  # a frozen opponent's: built on first use
+        self._frozen_engine: HFEngine | None = None  # a frozen opponent's: built on first use
         self.model_path = Path(model_path)
         self.zero_stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
         # a non-finite step is skipped by ZeRO's optimizers (see optimizer_step); without ZeRO,
@@ -136,6 +137,7 @@ class DeepSpeedBackend:
         )
         self._skipped_seen = self.ds.skipped_steps
         self.colocated = None
+        self.prefix_cache: PrefixCachingEngine | None = None
         if vllm is not None:
             if vllm.tensor_parallel_size != 1:
                 raise ValueError(
@@ -146,13 +148,14 @@ class DeepSpeedBackend:
             self.colocated = ColocatedVLLM(
                 self.model_path, vllm, group=None, tensors=lambda: gather(self.ds.module)
             )
-            self.engine = self.colocated.engine
+            self.engine: Engine = self.colocated.engine
         else:
             # the lockstep flag is a CPU tensor: it rides the gloo vote group over the same ranks
             sync = groups.vote if self.zero_stage == 3 else None
             # the prefix cache keeps each conversation's keys/values between its turns (the same
             # tokens as HFEngine, a shorter prefill); it is cleared whenever the weights change
-            self.engine = PrefixCachingEngine(self.ds.module, tokenizer, sync_group=sync)
+            self.prefix_cache = PrefixCachingEngine(self.ds.module, tokenizer, sync_group=sync)
+            self.engine = self.prefix_cache
 
     @property
     def has_reference(self) -> bool:
@@ -179,6 +182,8 @@ class DeepSpeedBackend:
         if self.colocated is not None:
             self.colocated.idle()  # the rollout is over: vLLM may free its memory until the sync
         if reference:
+            if self.reference is None:
+                raise ValueError("logprobs_of(reference=True): the backend was built with reference=False")
             with torch.no_grad():
                 return self._logprobs(self.reference, batch)
         self.ds.train()
@@ -216,7 +221,8 @@ class DeepSpeedBackend:
         """
         if self.colocated is not None:
             return self.colocated.sync()
-        self.engine.clear()  # the cached keys/values were computed with the old weights
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()  # the cached keys/values were computed with the old weights
         return 0.0
 
     def save(self, folder: Path) -> None:

@@ -21,6 +21,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from interlens_mcore import distributed
+from interlens_mcore.engines.base import Engine
 from interlens_mcore.engines.vllm import VLLMConfig
 from interlens_mcore.engines.weight_sync import megatron_hf_tensors
 from interlens_mcore.grpo.batch import TrainingBatch
@@ -93,7 +94,7 @@ class MegatronBackend:
         compute_dtype: torch.dtype | None = None,
     ):
         self.groups, self.temperature, self.tokenizer = groups, temperature or 1.0, tokenizer
-        self._frozen_engine = None  # a frozen opponent's: built on first use
+        self._frozen_engine: MegatronEngine | None = None  # a frozen opponent's: built on first use
         self.compute_dtype = compute_dtype  # autocast dtype of every forward (None: the weights')
         self.model_path = Path(model_path)  # an HF folder or a sharded megatron checkpoint
         self.layout_info = load_layout(self.model_path)
@@ -123,7 +124,7 @@ class MegatronBackend:
                 group=groups.rollout,
                 tensors=lambda: megatron_hf_tensors(self.model, self.layout_info),
             )
-            self.engine = self.colocated.engine
+            self.engine: Engine = self.colocated.engine
         else:
             # the tokenizer decodes sampled ids for stop strings (a tool call's closing tag)
             self.engine = MegatronEngine(
@@ -171,6 +172,8 @@ class MegatronBackend:
         if self.colocated is not None:
             self.colocated.idle()  # the rollout is over: vLLM may free its memory until the sync
         if reference:
+            if self.reference is None:
+                raise ValueError("logprobs_of(reference=True): the backend was built with reference=False")
             with torch.no_grad():
                 return self._logprobs(self.reference, batch)
         self.train_model.train()
