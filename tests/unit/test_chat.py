@@ -112,7 +112,7 @@ def test_a_multi_turn_view_holds_the_default_system_block_once(tiny):
 @pytest.mark.parametrize("messages", [[], [{"role": "assistant", "content": "4"}]])
 def test_a_request_with_no_message_before_the_reply_opens_with_the_preamble(tiny, messages):
     """An empty opening, or a prefill alone: the assistant's turn opens the conversation."""
-    from interlens_mcore.scheduler import MultiTurnRequest
+    from interlens_mcore.rollout.scheduler import MultiTurnRequest
 
     _, tok = tiny
     templated = default_system_template(tok)

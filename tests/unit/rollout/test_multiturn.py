@@ -559,7 +559,7 @@ def test_a_request_that_outgrows_the_context_ends_alone(tiny, chat):
     [("a long tool output " * 6, 8), ("ok", 8), ("ok", 40)],  # the last prompt outgrew the context
 )
 def test_a_truncated_trajectory_holds_only_what_the_engine_saw(chat, tool_says, max_new):
-    from _fakes import Endless, Recording
+    from support.fakes import Endless, Recording
 
     spy = Recording(Endless(name="small", max_context=60))
     rollout = EngineRollout(spy, chat, seed=1)
