@@ -32,12 +32,12 @@ from typing import Protocol
 import torch
 
 from interlens_mcore.engines.base import Engine
-from interlens_mcore.grpo.batch import TrainingBatch
+from interlens_mcore.grpo.batch import Layout, TrainingBatch
 
 
 class Backend(Protocol):
     engine: Engine
-    layout: str
+    layout: Layout
     pad_to_multiple: int
     micro_batches: int | None
     has_reference: bool

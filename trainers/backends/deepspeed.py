@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
+from interlens_mcore.engines.base import Engine
 from interlens_mcore.engines.hf import HFEngine
 from interlens_mcore.engines.prefix_cache import PrefixCachingEngine
 from interlens_mcore.engines.vllm import VLLMConfig
 from interlens_mcore.engines.weight_sync import hf_tensors, zero3_hf_tensors
-from interlens_mcore.grpo.batch import TrainingBatch
+from interlens_mcore.grpo.batch import Layout, TrainingBatch
 from interlens_mcore.grpo.logprobs import token_logprobs
 
 from .colocated_vllm import ColocatedVLLM
@@ -54,7 +55,7 @@ class DeepSpeedBackend:
     `reference=True` keeps a frozen copy of the initial weights for the KL term.
     """
 
-    layout = "padded"
+    layout: Layout = "padded"
     pad_to_multiple = 1
 
     def __init__(
@@ -72,7 +73,7 @@ class DeepSpeedBackend:
         from transformers import AutoModelForCausalLM
 
         self.groups, self.tokenizer, self.temperature = groups, tokenizer, temperature or 1.0
-        self._frozen_engine = None  # a frozen opponent's: built on first use
+        self._frozen_engine: HFEngine | None = None  # a frozen opponent's: built on first use
         self.model_path = Path(model_path)
         self.zero_stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
         # a non-finite step is skipped by ZeRO's optimizers (see optimizer_step); without ZeRO,
@@ -93,7 +94,9 @@ class DeepSpeedBackend:
             model=model, model_parameters=model.parameters(), config=ds_config
         )
         self._skipped_seen = self.ds.skipped_steps
-        self.colocated = None
+        self.colocated: ColocatedVLLM | None = None
+        self.native: PrefixCachingEngine | None = None  # the engine when vLLM does not generate
+        self.engine: Engine
         if vllm is not None:
             if vllm.tensor_parallel_size != 1:
                 raise ValueError(
@@ -110,7 +113,7 @@ class DeepSpeedBackend:
             sync = groups.vote if self.zero_stage == 3 else None
             # the prefix cache keeps each conversation's keys/values between its turns (the same
             # tokens as HFEngine, a shorter prefill); it is cleared whenever the weights change
-            self.engine = PrefixCachingEngine(self.ds.module, tokenizer, sync_group=sync)
+            self.engine = self.native = PrefixCachingEngine(self.ds.module, tokenizer, sync_group=sync)
 
     @property
     def has_reference(self) -> bool:
@@ -137,6 +140,8 @@ class DeepSpeedBackend:
         if self.colocated is not None:
             self.colocated.idle()  # the rollout is over: vLLM may free its memory until the sync
         if reference:
+            if self.reference is None:
+                raise ValueError("reference logprobs need the backend built with reference=True")
             with torch.no_grad():
                 return self._logprobs(self.reference, batch)
         self.ds.train()
@@ -174,7 +179,8 @@ class DeepSpeedBackend:
         """
         if self.colocated is not None:
             return self.colocated.sync()
-        self.engine.clear()  # the cached keys/values were computed with the old weights
+        if self.native is not None:
+            self.native.clear()  # the cached keys/values were computed with the old weights
         return 0.0
 
     def save(self, folder: Path) -> None:

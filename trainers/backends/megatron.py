@@ -20,9 +20,10 @@ from typing import Any
 import torch
 
 from interlens_mcore import distributed
+from interlens_mcore.engines.base import Engine
 from interlens_mcore.engines.vllm import VLLMConfig
 from interlens_mcore.engines.weight_sync import megatron_hf_tensors
-from interlens_mcore.grpo.batch import TrainingBatch
+from interlens_mcore.grpo.batch import Layout, TrainingBatch
 from interlens_mcore.grpo.logprobs import token_logprobs, vocab_parallel_token_logprobs
 from interlens_mcore.megatron import build_model, export_hf, forward_logits, load_layout
 from interlens_mcore.megatron import checkpoint as megatron_checkpoint
@@ -42,9 +43,9 @@ class MegatronBackend:
     instead of `MegatronEngine`, and `sync_engine_weights` gathers the TP shards into it.
     """
 
-    layout = "packed"
+    layout: Layout = "packed"
     pad_to_multiple = 1
-    micro_batches = None  # any number of micro-batches per step
+    micro_batches: int | None = None  # any number of micro-batches per step
 
     def __init__(
         self,
@@ -62,7 +63,7 @@ class MegatronBackend:
         compute_dtype: torch.dtype | None = None,
     ):
         self.groups, self.temperature, self.tokenizer = groups, temperature or 1.0, tokenizer
-        self._frozen_engine = None  # a frozen opponent's: built on first use
+        self._frozen_engine: MegatronEngine | None = None  # a frozen opponent's: built on first use
         self.compute_dtype = compute_dtype  # autocast dtype of every forward (None: the weights')
         self.model_path = Path(model_path)  # an HF folder or a sharded megatron checkpoint
         self.layout_info = load_layout(self.model_path)
@@ -79,7 +80,8 @@ class MegatronBackend:
         self.reference = self._initial_model() if reference else None
         self.training = build_training(self.model, options, groups, path=self.path)
         self.train_model, self.optimizer = self.training.train_model, self.training.optimizer
-        self.colocated = None
+        self.colocated: ColocatedVLLM | None = None
+        self.engine: Engine
         if vllm is not None:
             if vllm.tensor_parallel_size != groups.tp_size:
                 raise ValueError(
@@ -140,6 +142,8 @@ class MegatronBackend:
         if self.colocated is not None:
             self.colocated.idle()  # the rollout is over: vLLM may free its memory until the sync
         if reference:
+            if self.reference is None:
+                raise ValueError("reference logprobs need the backend built with reference=True")
             with torch.no_grad():
                 return self._logprobs(self.reference, batch)
         self.train_model.train()
