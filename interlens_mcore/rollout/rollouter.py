@@ -134,6 +134,10 @@ class Rollout:
         """Samples whose conversation outgrew the engine's context (earlier turns kept)."""
         return sum(t.status is Status.TRUNCATED for t in self.trajectories)
 
+    def rewards(self) -> list[float]:
+        """Every trajectory's reward, in order (a ValueError if one is not scored)."""
+        return [_reward(t) for t in self.trajectories]
+
     def seat_rewards(self) -> dict[str, list[float]]:
         """Rewards per trained seat (participant name), in trajectory order."""
         out: dict[str, list[float]] = {}
