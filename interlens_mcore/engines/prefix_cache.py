@@ -148,7 +148,7 @@ class PrefixCachingEngine(HFEngine):
         """Keep every tagged row's real columns (prompt + all fed sampled ids) for next time."""
         if call.cache is None or call.ids is None or call.mask is None:  # no forward ran
             return
-        layers = [(layer.keys, layer.values) for layer in call.cache.layers]  # each [B, H, T, D]
+        layers = [_layer_kv(layer, n) for n, layer in enumerate(call.cache.layers)]  # each [B, H, T, D]
         for i, tag in enumerate(call.tags):
             if not tag:
                 continue
@@ -158,6 +158,18 @@ class PrefixCachingEngine(HFEngine):
             self._entries.move_to_end(tag)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
+
+
+def _layer_kv(layer: object, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values of one attention layer of the call's cache."""
+    from transformers.cache_utils import CacheLayerMixin
+
+    if not isinstance(layer, CacheLayerMixin) or layer.keys is None or layer.values is None:
+        raise ValueError(
+            f"PrefixCachingEngine keeps attention keys/values; cache layer {index} "
+            f"({type(layer).__name__}) holds none"
+        )
+    return layer.keys, layer.values
 
 
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:

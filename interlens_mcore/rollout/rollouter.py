@@ -134,7 +134,7 @@ class Rollout:
         """Samples whose conversation outgrew the engine's context (earlier turns kept)."""
         return sum(t.status is Status.TRUNCATED for t in self.trajectories)
 
-    def rewards(self) -> list[float]:
+    def scored_rewards(self) -> list[float]:
         """Every trajectory's reward, in order (a ValueError if one is not scored)."""
         return [_reward(t) for t in self.trajectories]
 

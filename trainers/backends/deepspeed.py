@@ -11,7 +11,7 @@ stage: it holds whole weights, which `sync_engine_weights` gathers into it after
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,6 +24,9 @@ from interlens_mcore.grpo.batch import Layout, TrainingBatch
 from interlens_mcore.grpo.logprobs import token_logprobs
 
 from .colocated_vllm import ColocatedVLLM
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def deepspeed_config(
@@ -119,7 +122,7 @@ class DeepSpeedBackend:
     def has_reference(self) -> bool:
         return self.reference is not None
 
-    def _initial_model(self) -> torch.nn.Module:
+    def _initial_model(self) -> PreTrainedModel:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)

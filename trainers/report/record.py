@@ -33,7 +33,7 @@ def rollout_figures(rollout: Rollout, components: dict[str, list[float]], group:
     """Rewards (total, per reward function, per seat), success, turns and timeouts over `group`."""
     trajectories = rollout.trajectories
     mine = {
-        "reward": rollout.rewards(),
+        "reward": rollout.scored_rewards(),
         "components": components,
         "seats": rollout.seat_rewards(),
         "success": [t.infos["success"] for t in trajectories if t.infos.get("success") is not None],
@@ -84,7 +84,7 @@ def evaluation_figures(rollout: Rollout) -> dict[str, float]:
     Collective over the world: every rank evaluates its own rows.
     """
     mine: dict[str, list[float]] = {}
-    for t, reward in zip(rollout.trajectories, rollout.rewards(), strict=True):
+    for t, reward in zip(rollout.trajectories, rollout.scored_rewards(), strict=True):
         mine.setdefault("reward", []).append(reward)
         mine.setdefault(f"reward/{t.participant}", []).append(reward)
         if t.infos.get("success") is not None:
