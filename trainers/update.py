@@ -32,8 +32,11 @@ from interlens_mcore.types import Trajectory
 class Trainable(Protocol):
     """The part of a `Backend` an update uses."""
 
-    layout: Layout
-    pad_to_multiple: int
+    @property
+    def layout(self) -> Layout: ...
+
+    @property
+    def pad_to_multiple(self) -> int: ...
 
     def logprobs_of(self, batch: TrainingBatch, *, reference: bool = False) -> torch.Tensor: ...
 

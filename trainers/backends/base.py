@@ -37,10 +37,19 @@ from interlens_mcore.grpo.batch import Layout, TrainingBatch
 
 class Backend(Protocol):
     engine: Engine
-    layout: Layout
-    pad_to_multiple: int
-    micro_batches: int | None
-    has_reference: bool
+
+    # read-only: a backend may fix them as class attributes or compute them
+    @property
+    def layout(self) -> Layout: ...
+
+    @property
+    def pad_to_multiple(self) -> int: ...
+
+    @property
+    def micro_batches(self) -> int | None: ...
+
+    @property
+    def has_reference(self) -> bool: ...
 
     def logprobs_of(self, batch: TrainingBatch, *, reference: bool = False) -> torch.Tensor:
         """[B, T] logprobs of batch.targets: the trained model's (with gradient) or the reference's."""

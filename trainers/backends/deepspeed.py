@@ -195,3 +195,7 @@ class DeepSpeedBackend:
             raise ValueError(f"checkpoint {folder} holds no DeepSpeed state")
         self._skipped_seen = self.ds.skipped_steps  # the engine's counter comes back with it
         self.sync_engine_weights()  # a resumed run generates with the weights it resumes from
+
+    def export_hf(self, out_dir: str | Path) -> Path:
+        """Not available: HF export is the megatron backend's (`--export-hf` says so too)."""
+        raise ValueError(f"export_hf({str(out_dir)!r}) is available with the megatron backend only")
