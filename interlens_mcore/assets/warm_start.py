@@ -76,7 +76,8 @@ def guess_transcripts(n: int, *, seed: int, binary_share: float) -> list[list[Me
     """`n` games of guess-a-number played by a `Guesser`, as message lists (prompt included)."""
     convs = []
     for i, task in enumerate(guess_tasks(n, seed=seed)):
-        lineup: list[Participant] = [Guesser(task, binary_share, seed=seed * 1_000_003 + i), task.environment()]
+        guesser = Guesser(task, binary_share, seed=seed * 1_000_003 + i)
+        lineup: list[Participant] = [guesser, task.environment()]
         convs.append(Conversation(lineup, prompt=task.prompt(), run_until=MaxTurns(task.max_turns)))
     co_step(convs, turns=None)
     return [[*c.prompt, *c.messages] for c in convs]

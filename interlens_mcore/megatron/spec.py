@@ -40,7 +40,9 @@ class AttentionCache(Protocol):
 
     def positions(self, cu_seqlens: torch.Tensor) -> torch.Tensor: ...
 
-    def store(self, layer: int, keys: torch.Tensor, values: torch.Tensor, cu_seqlens: torch.Tensor) -> None: ...
+    def store(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor, cu_seqlens: torch.Tensor
+    ) -> None: ...
 
     def window(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
@@ -103,7 +105,8 @@ class SDPACoreAttention(MegatronModule):
         self.softmax_scale = softmax_scale
         self.rotary_base = rotary_base
         self.layer_number = layer_number
-        self.kv_cache: AttentionCache | None = None  # a kv_cache.KVCache while the engine generates (see kv_cache.py)
+        # a kv_cache.KVCache while the engine generates (see kv_cache.py)
+        self.kv_cache: AttentionCache | None = None
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.rotary_base is None:

@@ -96,9 +96,7 @@ class _CoStep(Driver):
                 row = self._row(c, c.speaker)
                 if row is not None:
                     self.rows[key_of(c.speaker.signature())].append(row)
-        return {
-            k: Need(engine=rows[0].policy.engine.name, rows=len(rows)) for k, rows in self.rows.items()
-        }
+        return {k: Need(engine=rows[0].policy.engine.name, rows=len(rows)) for k, rows in self.rows.items()}
 
     def _row(self, c: Conversation, p: Policy) -> _Row | None:
         prompt = c.prompt_ids(p)

@@ -128,9 +128,7 @@ def _freeze(slot: _Slot, turn: int, status: Status) -> None:
     if choice.truncated and not ids:  # its prompt did not fit: the engine saw none of it
         spans = slot.output.spans
         slot.output.seen = spans[-1][1] if spans else 0
-    slot.output.add_turn(
-        slot.request, list(ids), [1] * len(ids), choice.logprobs, choice, slot.continuing
-    )
+    slot.output.add_turn(slot.request, list(ids), [1] * len(ids), choice.logprobs, choice, slot.continuing)
     slot.output.status = status
 
 
