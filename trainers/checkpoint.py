@@ -123,7 +123,7 @@ def newest_intact(root: Path) -> tuple[Path | None, list[tuple[str, str, str]]]:
     """
     if not root.is_dir():
         return None, []
-    bad = []
+    bad: list[tuple[str, str, str]] = []
     for folder in sorted((p for p in root.iterdir() if p.name.startswith(PREFIX)), reverse=True):
         reason = verify(folder)
         if reason is None:

@@ -226,8 +226,8 @@ class GRPOTrainer:
         metrics = result.metrics
         # once after the rollout's optimizer steps: nothing generates between them. The slowest
         # rank's time is the step's (collective: every rank syncs here)
-        sync_s = torch.tensor([self.backend.sync_engine_weights()], dtype=torch.float64)
-        sync_s = float(distributed.all_reduce(sync_s, "max")[0])
+        sync = torch.tensor([self.backend.sync_engine_weights()], dtype=torch.float64)
+        sync_s = float(distributed.all_reduce(sync, "max")[0])
         t2 = time.perf_counter()
         rec = {
             "step": self.step,
@@ -325,6 +325,7 @@ class GRPOTrainer:
 
     def completions(self, rollout: Rollout) -> list[dict]:
         """A few of this rank's trajectories as text, for completions.jsonl."""
+        assert rollout.advantages is not None  # set by scored_rollout
         out = []
         for t, a in list(zip(rollout.trajectories, rollout.advantages.tolist()))[
             : self.config.log_completions
@@ -333,7 +334,7 @@ class GRPOTrainer:
                 {
                     "conversation": t.infos.get("conversation"),
                     "seat": t.participant,
-                    "reward": float(t.reward),
+                    "reward": t.reward,  # set by score()
                     "advantage": a,
                     "status": t.status.value,
                     "finish_reasons": [s.finish_reason for s in t.turns],

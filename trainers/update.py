@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from interlens_mcore import distributed
-from interlens_mcore.grpo.batch import TrainingBatch, build_batch
+from interlens_mcore.grpo.batch import Layout, TrainingBatch, build_batch
 from interlens_mcore.grpo.loss.config import LossConfig
 from interlens_mcore.grpo.loss.mask import denominators, is_weight_sums, loss_token_mask
 from interlens_mcore.grpo.loss.objective import (
@@ -32,8 +32,11 @@ from interlens_mcore.types import Trajectory
 class Trainable(Protocol):
     """The part of a `Backend` an update uses."""
 
-    layout: str
-    pad_to_multiple: int
+    @property
+    def layout(self) -> Layout: ...
+
+    @property
+    def pad_to_multiple(self) -> int: ...
 
     def logprobs_of(self, batch: TrainingBatch, *, reference: bool = False) -> torch.Tensor: ...
 
@@ -76,10 +79,14 @@ def update(
     else:
         with torch.no_grad():
             old = [backend.logprobs_of(b).detach() if b else None for b in batches]
-    masks = [loss_token_mask(b, o, cfg, ref_logprobs=r) if b else None for b, o, r in zip(batches, old, refs)]
+    # old logprobs and masks are None exactly where the batch is
+    masks = [
+        loss_token_mask(b, o, cfg, ref_logprobs=r) if b is not None and o is not None else None
+        for b, o, r in zip(batches, old, refs)
+    ]
     counts = torch.zeros(4, dtype=torch.float64)  # loss tokens, samples, IS weight sum, corrected tokens
     for b, o, m in zip(batches, old, masks):
-        if b is not None:
+        if b is not None and o is not None and m is not None:
             counts[:2] += denominators(m, b)
             if cfg.is_batch_normalize:
                 counts[2:] += is_weight_sums(b, o, m, cfg)
@@ -93,7 +100,7 @@ def update(
         sums = None
         for i, batch in enumerate(batches):
             real = batch is not None
-            mb = batch if real else placeholder
+            mb = batch if batch is not None else placeholder
             lp = first if single and k == 0 else backend.logprobs_of(mb)
             kwargs = {
                 "old_logprobs": old[i] if updates > 1 and real else None,
@@ -117,8 +124,8 @@ def update(
         grad_norm = backend.optimizer_step()
         # the backend did not apply this update (see Backend.optimizer_step): count it
         skipped += not math.isfinite(grad_norm)
-    metrics = reduce_metrics(sums, dp_group)
-    return UpdateResult({**metrics, "grad_norm": grad_norm, "step_skipped": float(skipped > 0)}, skipped)
+    reduced = reduce_metrics(sums, dp_group)
+    return UpdateResult({**reduced, "grad_norm": grad_norm, "step_skipped": float(skipped > 0)}, skipped)
 
 
 def _placeholder(rollout: Rollout, backend: Trainable) -> TrainingBatch:

@@ -75,7 +75,7 @@ def build_tokenizer(path: Path, vocab_size: int = 512):
 def build_model(path: Path, tokenizer, *, arch: str = "qwen2", seed: int = 0, **overrides):
     """A tiny randomly initialised causal LM (Qwen2 or Llama) saved to `path`."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen2Config
 
     kwargs = dict(
         vocab_size=len(tokenizer),
@@ -92,6 +92,7 @@ def build_model(path: Path, tokenizer, *, arch: str = "qwen2", seed: int = 0, **
         pad_token_id=tokenizer.pad_token_id,
     )
     kwargs.update(overrides)
+    config: PretrainedConfig
     if arch == "qwen2":
         config = Qwen2Config(**kwargs)
     elif arch == "llama":

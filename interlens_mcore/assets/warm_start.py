@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..chat import ChatFormat
-from ..rollout.conversation import Conversation, Environment
+from ..rollout.conversation import Conversation, Environment, Participant
 from ..rollout.costep import co_step
 from ..rollout.stop import MaxTurns
 from ..tasks.guess import GuessNumberTask, game_state, guess_tasks, reply_number
@@ -76,7 +76,8 @@ def guess_transcripts(n: int, *, seed: int, binary_share: float) -> list[list[Me
     """`n` games of guess-a-number played by a `Guesser`, as message lists (prompt included)."""
     convs = []
     for i, task in enumerate(guess_tasks(n, seed=seed)):
-        lineup = [Guesser(task, binary_share, seed=seed * 1_000_003 + i), task.environment()]
+        guesser = Guesser(task, binary_share, seed=seed * 1_000_003 + i)
+        lineup: list[Participant] = [guesser, task.environment()]
         convs.append(Conversation(lineup, prompt=task.prompt(), run_until=MaxTurns(task.max_turns)))
     co_step(convs, turns=None)
     return [[*c.prompt, *c.messages] for c in convs]

@@ -17,7 +17,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin, get_type_hints
+from typing import Any, Literal, NoReturn, get_args, get_origin, get_type_hints
 
 from transformers import HfArgumentParser
 
@@ -149,7 +149,7 @@ def _closest(word: str, known: list[str]) -> str:
 
 
 class _Parser(HfArgumentParser):
-    def error(self, message: str) -> None:  # argparse's own errors become one line, exit 2
+    def error(self, message: str) -> NoReturn:  # argparse's own errors become one line, exit 2
         raise UsageError(_suggest(message, self))
 
 
@@ -164,7 +164,8 @@ def _suggest(message: str, parser: argparse.ArgumentParser) -> str:
 
 
 def parser(description: str, extra: tuple = ()) -> _Parser:
-    p = _Parser((*SECTIONS, *extra), description=description, allow_abbrev=False)
+    # transformers annotates the dataclass types it takes too narrowly for a tuple of them
+    p = _Parser((*SECTIONS, *extra), description=description, allow_abbrev=False)  # type: ignore[arg-type]
     p.add_argument("--config", help="YAML file of options (keys as the long option names, with _ or -)")
     return p
 
@@ -215,7 +216,8 @@ def parse(argv: list[str] | None, description: str, extra: tuple = ()) -> Args:
         if "not used by the HfArgumentParser" in text:
             raise UsageError(_suggest("unrecognized arguments: " + text.split(":", 1)[1], p)) from None
         raise UsageError(flagify(text)) from None
-    return Args(*sections[: len(SECTIONS)], extra=tuple(sections[len(SECTIONS) :]))
+    # mypy cannot count the sections of a starred slice: one per field of Args before `extra`
+    return Args(*sections[: len(SECTIONS)], extra=tuple(sections[len(SECTIONS) :]))  # type: ignore[misc]
 
 
 def _config_path(argv: list[str]) -> str | None:
@@ -234,7 +236,7 @@ def _kind(tp: Any) -> tuple[type, ...]:
     if get_origin(tp) is list:
         return (list,)
     args = [a for a in get_args(tp) if a is not type(None)] or [tp]
-    kinds = []
+    kinds: list[type] = []
     for a in args:
         if get_origin(a) is not None and get_args(a) and not isinstance(get_args(a)[0], type):  # Literal
             kinds.extend({type(v) for v in get_args(a)})

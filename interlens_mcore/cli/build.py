@@ -70,6 +70,7 @@ def swift_source(args: Args) -> TaskSource:
         raise ValueError("--multi-turn-scheduler needs --dataset (its rows reach the scheduler as data_dict)")
     rows = [dict(r) for r in load_rows(la.dataset)]
     eval_rows = [dict(r) for r in load_rows(la.eval_dataset)] if la.eval_dataset else []
+    assert la.multi_turn_scheduler is not None  # task_source comes here only with one
     return SwiftTaskSource.from_spec(
         la.multi_turn_scheduler,
         dataset=rows,
@@ -180,6 +181,8 @@ def check_vllm() -> None:
 def check_heads(hf_config: dict, tp: int, where: str) -> None:
     for key in ("num_attention_heads", "num_key_value_heads"):
         n = hf_config.get(key) or hf_config.get("num_attention_heads")
+        if not isinstance(n, int) or n < 1:
+            raise UsageError(f"--model {where}: config.json has no positive integer {key} (got {n!r})")
         if n % tp:
             raise UsageError(f"--tp {tp} does not divide {key}={n} of the model in {where}")
 

@@ -104,8 +104,8 @@ def local_phase(name: str, allow: tuple[Any, ...] = ()) -> Any:
 
 @contextmanager
 def _collective(name: str, group: Any) -> Iterator[None]:
-    phases = [s for s in _stack() if s.allow is not None]
-    if phases and not any(group is g for g in phases[-1].allow):
+    allowed = [s.allow for s in _stack() if s.allow is not None]  # one per enclosing local phase
+    if allowed and not any(group is g for g in allowed[-1]):
         raise CollectiveInLocalPhase(
             f"{name} over ranks {_group_ranks(group)} inside the local phase {current_stage()!r}: "
             "only the rollout's own collectives may run before the world check; move it after "

@@ -166,7 +166,7 @@ def init_distributed(*, timeout_s: float = 1800.0) -> None:
     # restart: a restarted rank would read a dead peer's address for a subgroup (megatron's TP
     # and DP groups) before the live peer rewrites it. A prefix per attempt keeps them apart.
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(
+    store: dist.Store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
         world,

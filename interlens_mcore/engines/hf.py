@@ -5,13 +5,16 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .. import distributed
 from .base import EngineStats, Generation, GenerationRequest, check_context
 from .sampler import BatchSampling
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 
 @dataclass
@@ -24,8 +27,8 @@ class HFEngine:
     done, or called with no rows, keeps stepping a dummy row while any rank still decodes.
     """
 
-    model: torch.nn.Module
-    tokenizer: object
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
     name: str = "policy"
     max_context: int = 0  # 0: the model's max_position_embeddings
     stats: EngineStats = field(default_factory=EngineStats)
@@ -37,9 +40,22 @@ class HFEngine:
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
 
-    def _forward(self, **kwargs):
+    def _forward(
+        self,
+        *,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: DynamicCache,
+    ) -> Any:
         t0 = time.perf_counter()
-        out = self.model(**kwargs, use_cache=True)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=True,
+        )
         self.stats.forward_s += time.perf_counter() - t0
         self.stats.forwards += 1
         return out

@@ -23,10 +23,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .hf import HFEngine
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
 
 
 @dataclass
@@ -51,7 +55,8 @@ class _Call:
     """Bookkeeping of one generate call (the cache grows in HFEngine's decode loop)."""
 
     tags: list[str]
-    cache: object = None  # the call's DynamicCache, captured at the prefill forward
+    # all three set at the prefill forward
+    cache: DynamicCache | None = None  # the call's cache
     ids: torch.Tensor | None = None  # [B, T] the token of every cache column
     mask: torch.Tensor | None = None  # [B, T] 1 where the column holds a real token
 
@@ -87,11 +92,19 @@ class PrefixCachingEngine(HFEngine):
             self._call = None
         return out
 
-    def _forward(self, *, input_ids, attention_mask, position_ids, cache):
+    def _forward(
+        self,
+        *,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: DynamicCache,
+    ) -> Any:
         call = self._call
-        if call.cache is None:  # the prefill: the whole left-padded prompt batch
+        assert call is not None, "HFEngine forwards only inside _generate"
+        if call.cache is None or call.ids is None:  # the prefill: the whole left-padded prompt batch
             call.cache, call.ids = cache, input_ids
-            start = self._restore(input_ids, attention_mask, cache)
+            start = self._restore(call.tags, input_ids, attention_mask, cache)
             input_ids, position_ids = input_ids[:, start:], position_ids[:, start:]
         else:
             call.ids = torch.cat([call.ids, input_ids], dim=1)
@@ -100,13 +113,13 @@ class PrefixCachingEngine(HFEngine):
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache
         )
 
-    def _restore(self, ids: torch.Tensor, mask: torch.Tensor, cache) -> int:
+    def _restore(self, tags: list[str], ids: torch.Tensor, mask: torch.Tensor, cache: DynamicCache) -> int:
         """Fill `cache` with the stored columns before the first uncached one; return its index."""
         b, width = ids.shape
         rows = [r[m.bool()].tolist() for r, m in zip(ids.cpu(), mask.cpu())]
         lens = [len(r) for r in rows]
         reuse = []
-        for tag, row in zip(self._call.tags, rows):
+        for tag, row in zip(tags, rows):
             entry = self._entries.get(tag) if tag else None
             reuse.append(_common_prefix(entry.ids, row, len(row) - 1) if entry else 0)
         start = width - max(n - k for n, k in zip(lens, reuse))  # [start, width) is recomputed
@@ -114,10 +127,10 @@ class PrefixCachingEngine(HFEngine):
         self.reuse.prefill_tokens += b * (width - start)
         if start == 0:
             return 0
-        for layer, (k0, v0) in enumerate(self._some_entry_kv(reuse)):
+        for layer, (k0, v0) in enumerate(self._some_entry_kv(tags, reuse)):
             shape = (b, k0.shape[0], start, k0.shape[-1])
             keys, values = k0.new_zeros(shape), v0.new_zeros(shape)  # masked columns stay zero
-            for i, (tag, n) in enumerate(zip(self._call.tags, lens)):
+            for i, (tag, n) in enumerate(zip(tags, lens)):
                 take = n - (width - start)  # this row's real tokens left of `start`
                 if take > 0:
                     k, v = self._entries[tag].kv[layer]
@@ -126,16 +139,16 @@ class PrefixCachingEngine(HFEngine):
             cache.update(keys.to(ids.device), values.to(ids.device), layer)
         return start
 
-    def _some_entry_kv(self, reuse: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _some_entry_kv(self, tags: list[str], reuse: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         # start > 0 implies every row reuses something, so any row's entry gives the shapes
         i = next(i for i, k in enumerate(reuse) if k > 0)
-        return self._entries[self._call.tags[i]].kv
+        return self._entries[tags[i]].kv
 
     def _store(self, call: _Call) -> None:
         """Keep every tagged row's real columns (prompt + all fed sampled ids) for next time."""
-        if call.cache is None:
+        if call.cache is None or call.ids is None or call.mask is None:  # no forward ran
             return
-        layers = [(layer.keys, layer.values) for layer in call.cache.layers]  # each [B, H, T, D]
+        layers = [_layer_kv(layer, n) for n, layer in enumerate(call.cache.layers)]  # each [B, H, T, D]
         for i, tag in enumerate(call.tags):
             if not tag:
                 continue
@@ -145,6 +158,18 @@ class PrefixCachingEngine(HFEngine):
             self._entries.move_to_end(tag)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
+
+
+def _layer_kv(layer: object, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values of one attention layer of the call's cache."""
+    from transformers.cache_utils import CacheLayerMixin
+
+    if not isinstance(layer, CacheLayerMixin) or layer.keys is None or layer.values is None:
+        raise ValueError(
+            f"PrefixCachingEngine keeps attention keys/values; cache layer {index} "
+            f"({type(layer).__name__}) holds none"
+        )
+    return layer.keys, layer.values
 
 
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:

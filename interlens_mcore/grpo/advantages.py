@@ -66,8 +66,9 @@ def group_advantages(
 
 def trajectory_advantages(trajectories: Sequence[Trajectory], **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """`group_advantages` on each trajectory's `reward` and `group`; every reward must be set."""
-    missing = [i for i, t in enumerate(trajectories) if t.reward is None]
-    if missing:
-        raise ValueError(f"trajectories[{missing[0]}].reward is None; score every trajectory first")
-    rewards = [float(t.reward) for t in trajectories]
+    rewards: list[float] = []
+    for i, t in enumerate(trajectories):
+        if t.reward is None:
+            raise ValueError(f"trajectories[{i}].reward is None; score every trajectory first")
+        rewards.append(float(t.reward))
     return group_advantages(rewards, [t.group for t in trajectories], **kwargs)

@@ -38,13 +38,17 @@ from __future__ import annotations
 import json
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .. import distributed
 from .convert import MEGATRON_MARKER, ParamRule, _checked_rules, _join
 from .model import ModelLayout
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.optimizer import MegatronOptimizer
 
 FORMAT = "interlens_mcore.megatron.checkpoint/1"
 MARKER, WEIGHTS = MEGATRON_MARKER, "weights"
@@ -164,7 +168,7 @@ def _split(optimizer: Any) -> tuple[torch.optim.Optimizer | None, Any]:
 
 def save(
     folder: str | Path,
-    model: torch.nn.Module,
+    model: GPTModel,
     layout: ModelLayout,
     optimizer: Any = None,
 ) -> Path:
@@ -206,7 +210,7 @@ def save(
 # ---- megatron's optimizers (GPU path): megatron's own sharded state, through dist_checkpointing ----
 
 
-def _save_megatron_optimizer(folder: Path, model: torch.nn.Module, optimizer) -> None:
+def _save_megatron_optimizer(folder: Path, model: GPTModel, optimizer: MegatronOptimizer) -> None:
     """A MegatronOptimizer's state (fp32 main weights, Adam moments; sharded over DP by the
     distributed optimizer) in megatron's dist_checkpointing format under `folder/optimizer/`.
 
@@ -223,7 +227,7 @@ def _save_megatron_optimizer(folder: Path, model: torch.nn.Module, optimizer) ->
     dist_checkpointing.save(optimizer.sharded_state_dict(model.sharded_state_dict()), str(target))
 
 
-def _load_megatron_optimizer(folder: Path, model: torch.nn.Module, optimizer) -> None:
+def _load_megatron_optimizer(folder: Path, model: GPTModel, optimizer: MegatronOptimizer) -> None:
     from megatron.core import dist_checkpointing
 
     target = folder / OPTIMIZER
@@ -242,7 +246,7 @@ def saved_tensors(folder: str | Path) -> dict[str, tuple[int, ...] | None]:
 @torch.no_grad()
 def load(
     folder: str | Path,
-    model: torch.nn.Module,
+    model: GPTModel,
     layout: ModelLayout,
     optimizer: Any = None,
 ) -> None:

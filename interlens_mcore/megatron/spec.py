@@ -16,7 +16,7 @@ implied by the layout, restarting at 0 for every sequence of a packed (THD) batc
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Protocol, get_args
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +30,21 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class AttentionCache(Protocol):
+    """What SDPACoreAttention asks of the KV cache attached to it (kv_cache.KVCache)."""
+
+    @property
+    def prefilling(self) -> bool: ...
+
+    def positions(self, cu_seqlens: torch.Tensor) -> torch.Tensor: ...
+
+    def store(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor, cu_seqlens: torch.Tensor
+    ) -> None: ...
+
+    def window(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
 def packed_positions(cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -90,7 +105,8 @@ class SDPACoreAttention(MegatronModule):
         self.softmax_scale = softmax_scale
         self.rotary_base = rotary_base
         self.layer_number = layer_number
-        self.kv_cache = None  # a kv_cache.KVCache while the engine generates (see kv_cache.py)
+        # a kv_cache.KVCache while the engine generates (see kv_cache.py)
+        self.kv_cache: AttentionCache | None = None
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.rotary_base is None:
@@ -124,12 +140,13 @@ class SDPACoreAttention(MegatronModule):
             raise ValueError(
                 "SDPACoreAttention is causal only: pass attention_mask=None (pack instead of padding)"
             )
-        packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        packed = packed_seq_params if thd else None
         if self.kv_cache is not None:
-            assert packed, "the engine feeds packed input when a KV cache is attached"
-            return self._forward_cached(query, key, value, packed_seq_params.cu_seqlens_q)
-        if packed:
-            return self._forward_packed(query, key, value, packed_seq_params.cu_seqlens_q)
+            assert packed is not None, "the engine feeds packed input when a KV cache is attached"
+            return self._forward_cached(self.kv_cache, query, key, value, packed.cu_seqlens_q)
+        if packed is not None:
+            return self._forward_packed(query, key, value, packed.cu_seqlens_q)
         s, b, heads, hn = query.shape
         positions = torch.arange(s, dtype=torch.int64, device=query.device)
         q = self._rope(query.reshape(s, b * heads, hn), positions).reshape(query.shape)
@@ -145,9 +162,13 @@ class SDPACoreAttention(MegatronModule):
         return self._attend_packed(q, k, value, cu_seqlens)
 
     def _forward_cached(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor
+        self,
+        cache: AttentionCache,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cu_seqlens: torch.Tensor,
     ) -> torch.Tensor:
-        cache = self.kv_cache
         positions = cache.positions(cu_seqlens)  # [t] continuing each row's cached tokens
         q, k = self._rope(query, positions), self._rope(key, positions)
         cache.store(self.layer_number, k, value, cu_seqlens)
@@ -198,7 +219,7 @@ def layer_spec(kind: SpecKind, *, rotary_base: float) -> ModuleSpec:
             raise ValueError("layer spec 'transformer_engine' needs transformer_engine installed")
         return get_gpt_layer_with_transformer_engine_spec()
     if kind not in ("local", "sdpa_cpu"):
-        raise ValueError(f"layer spec must be one of {SpecKind.__args__}, got {kind!r}")
+        raise ValueError(f"layer spec must be one of {get_args(SpecKind)}, got {kind!r}")
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
         module=SDPACoreAttention,

@@ -159,13 +159,15 @@ class Training:
         return norm
 
     def _megatron_step(self) -> float:
-        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 
+        ddp = self.train_model
+        assert isinstance(ddp, DistributedDataParallel), "build_training wraps megatron's DDP on this path"
         # DP reduce of the grad buffers (waits for overlapped buckets), and the TP all-reduce
         # of norm gradients that sequence parallelism leaves partial
-        finalize_model_grads([self.train_model])
+        finalize_model_grads([ddp])
         applied, norm, _ = self.optimizer.step()
-        self.train_model.zero_grad_buffer()
+        ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         return float(norm) if applied else math.nan
 

@@ -54,6 +54,7 @@ def schedule_signature(conv: Conversation, turns: int | None) -> tuple:
 @dataclass
 class _Row:
     conv: Conversation
+    policy: Policy  # the conversation's speaker when the row was made
     request: GenerationRequest
     room: int  # new tokens the engine's context leaves; the turn ends TRUNCATED if it fills it
 
@@ -95,9 +96,7 @@ class _CoStep(Driver):
                 row = self._row(c, c.speaker)
                 if row is not None:
                     self.rows[key_of(c.speaker.signature())].append(row)
-        return {
-            k: Need(engine=rows[0].conv.speaker.engine.name, rows=len(rows)) for k, rows in self.rows.items()
-        }
+        return {k: Need(engine=rows[0].policy.engine.name, rows=len(rows)) for k, rows in self.rows.items()}
 
     def _row(self, c: Conversation, p: Policy) -> _Row | None:
         prompt = c.prompt_ids(p)
@@ -109,6 +108,7 @@ class _CoStep(Driver):
                 f"context of {p.engine.max_context}",
             )
             return None
+        assert c.seed is not None, "Conversation.start() seeds every conversation"
         cap = c.token_cap()
         cap = p.sampling.max_new_tokens if cap is None else min(cap, p.sampling.max_new_tokens)
         # every sampling option of the policy (top-p/k, penalties, stop strings and ids) rides along
@@ -119,7 +119,7 @@ class _CoStep(Driver):
             stop_token_ids=p.chat.stop_token_ids,
             tag=c.id,
         )
-        return _Row(c, request, room if room < cap else cap + 1)
+        return _Row(c, p, request, room if room < cap else cap + 1)
 
     async def _python_turn(self, c: Conversation) -> None:
         speaker: Environment = c.speaker  # type: ignore[assignment]
@@ -179,7 +179,7 @@ class _CoStep(Driver):
 
 def _commit(row_gen: tuple[_Row, Generation]) -> None:
     row, gen = row_gen
-    c, p = row.conv, row.conv.speaker
+    c, p = row.conv, row.policy
     msg = Message(
         speaker=p.name,
         content=p.chat.decode(gen.token_ids),

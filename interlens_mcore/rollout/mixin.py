@@ -27,7 +27,7 @@ from functools import cached_property
 from typing import Any
 
 from ..engines.base import Engine
-from ..grpo.batch import pad_id
+from ..grpo.batch import Layout, pad_id
 from ..grpo.rewards import WeightedRewards, environment_reward
 from ..types import Trajectory
 from .multiturn import MultiTurnScheduler
@@ -45,7 +45,7 @@ class RolloutMixin:
     rollout_config: RolloutConfig
     reward_fns: Sequence[Any] = (environment_reward,)
     frozen_seats: tuple[str, ...] = ()
-    layout: str = "packed"  # of the training batches: "packed" (THD) or "padded" [B, T]
+    layout: Layout = "packed"  # of the training batches: "packed" (THD) or "padded" [B, T]
     pad_to_multiple: int = 1
 
     def scheduler(self) -> MultiTurnScheduler | None:

@@ -87,6 +87,12 @@ class _Slot:
     turn_end: Any = None  # what on_turn_end returned (or raised) this round
     continuing: bool = False  # the next response extends the last turn
 
+    @property
+    def answer(self) -> ResponseChoice:
+        """This round's response: `_Turns._round` sets it before anything reads it."""
+        assert self.choice is not None, "a slot is read only after its round's response arrived"
+        return self.choice
+
 
 def _where(slot: _Slot, turn: int) -> str:
     return f"request {slot.request.index} (turn {turn})"
@@ -107,8 +113,8 @@ def _accept(slot: _Slot, turn: int, run: _Run) -> None:
 def _apply_step(slot: _Slot, result: Any, run: _Run, turn: int) -> None:
     """Record the turn as the scheduler's step shaped it and move to its next request."""
     where = f"{_where(slot, turn)}: scheduler.step()"
-    step = step_result(result, slot.request, slot.choice, where, run.check_ids)
-    slot.output.add_turn(slot.request, step.ids, step.mask, step.logprobs, slot.choice, slot.continuing)
+    step = step_result(result, slot.request, slot.answer, where, run.check_ids)
+    slot.output.add_turn(slot.request, step.ids, step.mask, step.logprobs, slot.answer, slot.continuing)
     slot.output.rollout_infos.update(step.infos)
     nxt = step.request
     slot.continuing = bool(nxt.messages) and nxt.messages[-1].get("role") == "assistant"
@@ -117,18 +123,18 @@ def _apply_step(slot: _Slot, result: Any, run: _Run, turn: int) -> None:
 
 def _freeze(slot: _Slot, turn: int, status: Status) -> None:
     """End the request: its last response is its final turn, every sampled token trained."""
-    ids = slot.choice.token_ids
-    if slot.choice.truncated and not ids:  # its prompt did not fit: the engine saw none of it
+    choice = slot.answer
+    ids = choice.token_ids
+    if choice.truncated and not ids:  # its prompt did not fit: the engine saw none of it
         spans = slot.output.spans
         slot.output.seen = spans[-1][1] if spans else 0
-    slot.output.add_turn(
-        slot.request, list(ids), [1] * len(ids), slot.choice.logprobs, slot.choice, slot.continuing
-    )
+    slot.output.add_turn(slot.request, list(ids), [1] * len(ids), choice.logprobs, choice, slot.continuing)
     slot.output.status = status
 
 
-def _time_out(slot: _Slot, turn: int, call: str, limit: float) -> bool:
+def _time_out(slot: _Slot, turn: int, call: str, limit: float | None) -> bool:
     """A hook or step ran past its limit: the request ends as if finished, status TIMEOUT."""
+    assert limit is not None, "only a call run under a limit times out"
     _freeze(slot, turn, Status.TIMEOUT)
     slot.output.rollout_infos["timeout"] = f"{call} exceeded {limit:g} s at turn {turn}"
     return False
@@ -142,10 +148,10 @@ def _finish_or_step(slot: _Slot, run: _Run, turn: int) -> bool:
     # the hook's `done` decides; None lets check_finished decide
     done, infos = turn_end_result(slot.turn_end, f"{_where(slot, turn)}: on_turn_end")
     slot.output.rollout_infos.update(infos)
-    if slot.choice.truncated:  # no room for another turn: this request alone ends, its turns kept
+    if slot.answer.truncated:  # no room for another turn: this request alone ends, its turns kept
         _freeze(slot, turn, Status.TRUNCATED)
         return False
-    finished = done if done is not None else scheduler.check_finished(slot.request, slot.choice, turn)
+    finished = done if done is not None else scheduler.check_finished(slot.request, slot.answer, turn)
     capped = any(m is not None and turn >= m for m in (max_turns, scheduler.max_turns))
     if finished or (max_turns is not None and turn >= max_turns):
         _freeze(slot, turn, Status.MAX_TURNS if capped and done is not True else Status.STOPPED)
@@ -206,7 +212,12 @@ class _Turns(Driver):
 
         ok = await settle(ok, turn_end, _fail, errors)
         running: list[_Slot] = []
-        each(ok, lambda s: _finish_or_step(s, run, turn) and running.append(s), _fail, errors)
+
+        def finish_or_step(s: _Slot) -> None:
+            if _finish_or_step(s, run, turn):
+                running.append(s)
+
+        each(ok, finish_or_step, _fail, errors)
         raise_first(errors)  # the first names its request; every failed request is FAILED
         return running
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,7 @@ STEP_KEYS = ("infer_request", "response_token_ids", "response_loss_mask", "rollo
 TURN_END_KEYS = ("done", "rollout_infos")
 
 
-def check_ids(ids: Any, where: str, vocab_size: int | None, sampled: set[int] = frozenset()) -> None:
+def check_ids(ids: Any, where: str, vocab_size: int | None, sampled: AbstractSet[int] = frozenset()) -> None:
     """Token ids: a list of Python ints >= 0, below `vocab_size` unless the engine sampled them
     (a model's vocabulary may be padded past its tokenizer's)."""
     if not isinstance(ids, list):

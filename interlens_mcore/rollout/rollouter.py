@@ -24,7 +24,7 @@ import torch
 from ..engines.base import Engine, SamplingParams
 from ..engines.sampler import mix_seed
 from ..grpo.advantages import group_advantages
-from ..grpo.batch import TrainingBatch, build_batch
+from ..grpo.batch import Layout, TrainingBatch, build_batch
 from ..types import Status, Trajectory
 from .conversation import Conversation, Environment, Policy
 from .costep import co_step
@@ -134,11 +134,15 @@ class Rollout:
         """Samples whose conversation outgrew the engine's context (earlier turns kept)."""
         return sum(t.status is Status.TRUNCATED for t in self.trajectories)
 
+    def scored_rewards(self) -> list[float]:
+        """Every trajectory's reward, in order (a ValueError if one is not scored)."""
+        return [_reward(t) for t in self.trajectories]
+
     def seat_rewards(self) -> dict[str, list[float]]:
         """Rewards per trained seat (participant name), in trajectory order."""
         out: dict[str, list[float]] = {}
         for t in self.trajectories:
-            out.setdefault(t.participant, []).append(float(t.reward))
+            out.setdefault(t.participant, []).append(_reward(t))
         return out
 
 
@@ -180,7 +184,7 @@ class Rollouter:
 
     def _policy(self, name: str, *, frozen: bool) -> Policy:
         if (name, frozen) not in self._policies:
-            engine = self._frozen_engine_fn() if frozen else self.engine
+            engine = self._frozen_engine() if frozen else self.engine
             self._policies[name, frozen] = Policy(
                 name=name,
                 engine=engine,
@@ -192,7 +196,11 @@ class Rollouter:
 
     def engines(self) -> list[Engine]:
         """Every engine a lineup may use: a rank holding none of a frozen seat still joins its calls."""
-        return [self.engine, self._frozen_engine_fn()] if self.frozen_seats else [self.engine]
+        return [self.engine, self._frozen_engine()] if self.frozen_seats else [self.engine]
+
+    def _frozen_engine(self) -> Engine:
+        assert self._frozen_engine_fn is not None, "__init__ refuses frozen seats without a frozen_engine"
+        return self._frozen_engine_fn()
 
     # -- the step ---------------------------------------------------------------------------------
     def run(
@@ -312,8 +320,8 @@ def _conversation(row: Any, seat: Callable[[str], Policy], cid: str, seed: int, 
 def describe(t: Trajectory, conv: Conversation) -> None:
     """Fill `t.infos` with what reward functions and records read (see the module docstring)."""
     seat = t.participant
-    scores = [p.reward_for(conv, seat) for p in conv.lineup if isinstance(p, Environment)]
-    scores = [s for s in scores if s is not None]
+    given = [p.reward_for(conv, seat) for p in conv.lineup if isinstance(p, Environment)]
+    scores = [s for s in given if s is not None]
     t.infos["env_reward"] = float(sum(scores)) if scores else None
     own = [m.content for m in conv.messages if m.speaker == seat]
     t.infos["completion"] = own[-1] if own else ""
@@ -351,7 +359,7 @@ def rollout_advantages(
     keep = torch.zeros(len(trajectories), dtype=torch.bool)
     if used:
         a, k = group_advantages(
-            [trajectories[i].reward for i in used],
+            [_reward(trajectories[i]) for i in used],
             [key[i] for i in used],
             scale_by_std=config.scale_by_std,
             leave_one_out=config.leave_one_out,
@@ -361,8 +369,16 @@ def rollout_advantages(
     return adv, keep
 
 
+def _reward(t: Trajectory) -> float:
+    if t.reward is None:
+        raise ValueError(
+            f"a trajectory of group {t.group} (seat {t.participant!r}) has no reward; score every one first"
+        )
+    return float(t.reward)
+
+
 def micro_batches(
-    rollout: Rollout, *, micro_batch_size: int, layout: str, pad_to_multiple: int, pad_id: int
+    rollout: Rollout, *, micro_batch_size: int, layout: Layout, pad_to_multiple: int, pad_id: int
 ) -> list[TrainingBatch | None]:
     """Micro-batches of the kept trajectories; trajectories with no trained token are skipped.
 
@@ -370,6 +386,8 @@ def micro_batches(
     every DP rank makes the same number of forward/backward calls (None marks an empty one: the
     caller still joins the collectives with a zero-token batch of its own).
     """
+    if rollout.advantages is None or rollout.keep is None:
+        raise ValueError("micro_batches needs a scored rollout: set its advantages and keep first")
     pairs = [
         (t, float(a))
         for t, a, k in zip(rollout.trajectories, rollout.advantages, rollout.keep, strict=True)

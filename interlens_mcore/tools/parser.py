@@ -45,7 +45,8 @@ class ParsedCalls:
 class ToolCallParser(Protocol):
     """`parse(text)` finds the calls of one reply; `stop` ends a policy turn after a call."""
 
-    stop: tuple[str, ...]
+    @property
+    def stop(self) -> tuple[str, ...]: ...
 
     def parse(self, text: str) -> ParsedCalls: ...
 

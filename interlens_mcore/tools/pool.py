@@ -145,7 +145,12 @@ async def _io_ready(fd: int, deadline: float | None, *, write: bool) -> None:
     loop = asyncio.get_running_loop()
     ready = loop.create_future()
     add, remove = (loop.add_writer, loop.remove_writer) if write else (loop.add_reader, loop.remove_reader)
-    add(fd, lambda: ready.done() or ready.set_result(None))
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    add(fd, wake)
     try:
         timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         done, _ = await asyncio.wait({ready}, timeout=timeout)

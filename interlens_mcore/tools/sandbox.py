@@ -362,7 +362,10 @@ class _Evaluation:
     def _eval_Call(self, node: ast.Call, scope: dict) -> Any:
         fn = self.eval(node.func, scope)
         args = [self.eval(a, scope) for a in node.args]
-        kwargs = {k.arg: self.eval(k.value, scope) for k in node.keywords}
+        kwargs: dict[str, Any] = {}
+        for k in node.keywords:
+            assert k.arg is not None, "check() refuses ** arguments"
+            kwargs[k.arg] = self.eval(k.value, scope)
         if not isinstance(fn, _Function):
             raise SandboxError(f"{ast.unparse(node.func)!r} is not a function")
         return fn(*args, **kwargs)

@@ -105,11 +105,8 @@ class ToolTaskSource(TaskSource):
             start_workers(self.tools, options.worker_limits)
         self.name = f"{source.name}+tools"
         self.trained_seats, self.frozen_seats = source.trained_seats, source.frozen_seats
-
-    @property
-    def stop(self) -> tuple[str, ...]:
-        """Stop strings for the policy's sampling: a turn ends right after a call."""
-        return tuple(self.options.parser.stop)
+        # stop strings for the policy's sampling: a turn ends right after a call
+        self.stop = tuple(options.parser.stop)
 
     def _wrap(self, rows: list[Any]) -> list[ToolTask]:
         return [

@@ -34,17 +34,26 @@ from transformers import PreTrainedTokenizerBase
 
 from interlens_mcore.distributed import ParallelGroups
 from interlens_mcore.engines.base import Engine
-from interlens_mcore.grpo.batch import TrainingBatch
+from interlens_mcore.grpo.batch import Layout, TrainingBatch
 
 from ..config import BackendConfig, TrainerConfig
 
 
 class Backend(Protocol):
     engine: Engine
-    layout: str
-    pad_to_multiple: int
-    micro_batches: int | None
-    has_reference: bool
+
+    # read-only: a backend may fix them as class attributes or compute them
+    @property
+    def layout(self) -> Layout: ...
+
+    @property
+    def pad_to_multiple(self) -> int: ...
+
+    @property
+    def micro_batches(self) -> int | None: ...
+
+    @property
+    def has_reference(self) -> bool: ...
 
     def logprobs_of(self, batch: TrainingBatch, *, reference: bool = False) -> torch.Tensor:
         """[B, T] logprobs of batch.targets: the trained model's (with gradient) or the reference's."""

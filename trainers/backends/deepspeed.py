@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -23,7 +23,7 @@ from interlens_mcore.engines.hf import HFEngine
 from interlens_mcore.engines.prefix_cache import PrefixCachingEngine
 from interlens_mcore.engines.vllm import VLLMConfig
 from interlens_mcore.engines.weight_sync import hf_tensors, zero3_hf_tensors
-from interlens_mcore.grpo.batch import TrainingBatch
+from interlens_mcore.grpo.batch import Layout, TrainingBatch
 from interlens_mcore.grpo.logprobs import token_logprobs
 
 from ..config import BackendConfig, TrainerConfig
@@ -67,6 +67,9 @@ def build(
     )
     return backend, groups
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 
 def deepspeed_config(
     *, zero_stage: int, lr: float, weight_decay: float, grad_clip: float, micro_batches: int
@@ -97,7 +100,7 @@ class DeepSpeedBackend:
     `reference=True` keeps a frozen copy of the initial weights for the KL term.
     """
 
-    layout = "padded"
+    layout: Layout = "padded"
     pad_to_multiple = 1
 
     def __init__(
@@ -161,7 +164,7 @@ class DeepSpeedBackend:
     def has_reference(self) -> bool:
         return self.reference is not None
 
-    def _initial_model(self) -> torch.nn.Module:
+    def _initial_model(self) -> PreTrainedModel:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
@@ -234,3 +237,7 @@ class DeepSpeedBackend:
             raise ValueError(f"checkpoint {folder} holds no DeepSpeed state")
         self._skipped_seen = self.ds.skipped_steps  # the engine's counter comes back with it
         self.sync_engine_weights()  # a resumed run generates with the weights it resumes from
+
+    def export_hf(self, out_dir: str | Path) -> Path:
+        """Not available: HF export is the megatron backend's (`--export-hf` says so too)."""
+        raise ValueError(f"export_hf({str(out_dir)!r}) is available with the megatron backend only")

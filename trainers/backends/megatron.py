@@ -24,7 +24,7 @@ from interlens_mcore import distributed
 from interlens_mcore.engines.base import Engine
 from interlens_mcore.engines.vllm import VLLMConfig
 from interlens_mcore.engines.weight_sync import megatron_hf_tensors
-from interlens_mcore.grpo.batch import TrainingBatch
+from interlens_mcore.grpo.batch import Layout, TrainingBatch
 from interlens_mcore.grpo.logprobs import token_logprobs, vocab_parallel_token_logprobs
 from interlens_mcore.megatron import build_model, export_hf, forward_logits, load_layout
 from interlens_mcore.megatron import checkpoint as megatron_checkpoint
@@ -74,9 +74,9 @@ class MegatronBackend:
     instead of `MegatronEngine`, and `sync_engine_weights` gathers the TP shards into it.
     """
 
-    layout = "packed"
+    layout: Layout = "packed"
     pad_to_multiple = 1
-    micro_batches = None  # any number of micro-batches per step
+    micro_batches: int | None = None  # any number of micro-batches per step
 
     def __init__(
         self,
@@ -111,7 +111,8 @@ class MegatronBackend:
         self.reference = self._initial_model() if reference else None
         self.training = build_training(self.model, options, groups, path=self.path)
         self.train_model, self.optimizer = self.training.train_model, self.training.optimizer
-        self.colocated = None
+        self.colocated: ColocatedVLLM | None = None
+        self.engine: Engine
         if vllm is not None:
             if vllm.tensor_parallel_size != groups.tp_size:
                 raise ValueError(
@@ -124,7 +125,7 @@ class MegatronBackend:
                 group=groups.rollout,
                 tensors=lambda: megatron_hf_tensors(self.model, self.layout_info),
             )
-            self.engine: Engine = self.colocated.engine
+            self.engine = self.colocated.engine
         else:
             # the tokenizer decodes sampled ids for stop strings (a tool call's closing tag)
             self.engine = MegatronEngine(

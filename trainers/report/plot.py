@@ -37,11 +37,12 @@ def plot_run(records: list[dict], out: Path) -> None:
         bounds = [
             (r.get("eval/success_low"), r.get("eval/success_high")) for r in records if r.get(key) is not None
         ]
-        if key == "eval/success_rate" and all(lo is not None and hi is not None for lo, hi in bounds):
+        intervals = [(lo, hi) for lo, hi in bounds if lo is not None and hi is not None]
+        if key == "eval/success_rate" and len(intervals) == len(bounds):
             # the 95 % Wilson interval of each held-out measurement
             spread = [
-                [v - lo for v, (lo, _) in zip(values, bounds)],
-                [hi - v for v, (_, hi) in zip(values, bounds)],
+                [v - lo for v, (lo, _) in zip(values, intervals)],
+                [hi - v for v, (_, hi) in zip(values, intervals)],
             ]
             ax.errorbar(steps, values, yerr=spread, fmt=style, capsize=3, label=key + " (95 % CI)")
         else:

@@ -33,7 +33,7 @@ def rollout_figures(rollout: Rollout, components: dict[str, list[float]], group:
     """Rewards (total, per reward function, per seat), success, turns and timeouts over `group`."""
     trajectories = rollout.trajectories
     mine = {
-        "reward": [float(t.reward) for t in trajectories],
+        "reward": rollout.scored_rewards(),
         "components": components,
         "seats": rollout.seat_rewards(),
         "success": [t.infos["success"] for t in trajectories if t.infos.get("success") is not None],
@@ -84,9 +84,9 @@ def evaluation_figures(rollout: Rollout) -> dict[str, float]:
     Collective over the world: every rank evaluates its own rows.
     """
     mine: dict[str, list[float]] = {}
-    for t in rollout.trajectories:
-        mine.setdefault("reward", []).append(float(t.reward))
-        mine.setdefault(f"reward/{t.participant}", []).append(float(t.reward))
+    for t, reward in zip(rollout.trajectories, rollout.scored_rewards(), strict=True):
+        mine.setdefault("reward", []).append(reward)
+        mine.setdefault(f"reward/{t.participant}", []).append(reward)
         if t.infos.get("success") is not None:
             mine.setdefault("success_rate", []).append(float(t.infos["success"]))
             outcome = t.infos.get("outcome")
@@ -96,7 +96,8 @@ def evaluation_figures(rollout: Rollout) -> dict[str, float]:
     for part in distributed.all_gather_object(mine):
         for key, values in part.items():
             merged.setdefault(key, []).extend(values)
-    figures = {f"eval/{k}": _mean(v) for k, v in sorted(merged.items())}
+    # every merged list holds at least one value
+    figures: dict[str, float] = {f"eval/{k}": sum(v) / len(v) for k, v in sorted(merged.items())}
     if merged.get("success_rate"):
         n = len(merged["success_rate"])
         low, high = wilson_interval(figures["eval/success_rate"], n)

@@ -13,9 +13,14 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from .plot import plot_run
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+    from tqdm import tqdm
+    from wandb.sdk.wandb_run import Run
 
 METRICS_FILE, COMPLETIONS_FILE, PLOT_FILE = "metrics.jsonl", "completions.jsonl", "reward.png"
 
@@ -49,7 +54,9 @@ class Reporter:
     ):
         self.out, self.enabled, self.total, self.start = Path(output_dir), enabled, total, start
         self.t0 = time.perf_counter()
-        self.tb = self.wandb = self.bar = None
+        self.tb: SummaryWriter | None = None
+        self.wandb: Run | None = None
+        self.bar: tqdm | None = None  # set whenever enabled
         if not enabled:
             return
         self.out.mkdir(parents=True, exist_ok=True)
@@ -62,9 +69,14 @@ class Reporter:
         if "wandb" in reporters:
             import wandb
 
-            # offline unless the user set WANDB_MODE or has an API key: no network needed
-            mode = os.environ.get("WANDB_MODE") or (
-                "online" if os.environ.get("WANDB_API_KEY") else "offline"
+            # offline unless the user set WANDB_MODE (None: wandb reads it) or has an API key:
+            # no network needed
+            mode: Literal["online", "offline"] | None = (
+                None
+                if os.environ.get("WANDB_MODE")
+                else "online"
+                if os.environ.get("WANDB_API_KEY")
+                else "offline"
             )
             self.wandb = wandb.init(
                 project=os.environ.get("WANDB_PROJECT", "interlens_mcore"),
@@ -92,7 +104,7 @@ class Reporter:
             self.tb.flush()
         if self.wandb is not None:
             self.wandb.log(numbers, step=step)
-        if "reward_mean" in record:
+        if "reward_mean" in record and self.bar is not None:
             shown = {"reward": ("reward_mean", 3), "kl": ("kl", 4), "is_w": ("is_weight_mean", 3)}
             shown.update({"eval": ("eval/success_rate", 2)} if "eval/success_rate" in record else {})
             self.bar.set_postfix({name: _fmt(record.get(k), d) for name, (k, d) in shown.items()})
@@ -130,11 +142,13 @@ class Reporter:
         """
         if not self.enabled:
             return None
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
         if failed:
-            for logger in (self.tb, self.wandb):
-                if logger is not None:
-                    logger.close() if logger is self.tb else logger.finish(exit_code=1)
+            if self.tb is not None:
+                self.tb.close()
+            if self.wandb is not None:
+                self.wandb.finish(exit_code=1)
             return None
         self.plot()
         records = read_jsonl(self.out / METRICS_FILE)

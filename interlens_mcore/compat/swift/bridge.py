@@ -62,6 +62,12 @@ class RequestState:
     def where(self, turn: int) -> str:
         return f"request {self.request.uuid} (index {self.index}, turn {turn})"
 
+    @property
+    def reply(self) -> ChatCompletionResponseChoice:
+        """This turn's reply: on_turn_end sets `choice` before anything reads it."""
+        assert self.choice is not None, "a request's reply is read only after its on_turn_end"
+        return self.choice
+
 
 def truthy_done(value: Any, where: str) -> bool:
     """ms-swift tests `done` for truth: None is not done, numpy bools count; text is a mistake."""
@@ -104,6 +110,8 @@ def turn_overrides(result: dict, sampled: list[int], engine_logprobs: list[float
 
 class SwiftBridge(NativeScheduler):
     """Adapts an ms-swift `MultiTurnScheduler` to the native driver (see the module docstring)."""
+
+    chat: ChatFormat  # always given (a native scheduler's may be None)
 
     def __init__(
         self, scheduler: MultiTurnScheduler, chat: ChatFormat, states: list[RequestState], cap: int | None
@@ -180,7 +188,7 @@ class SwiftBridge(NativeScheduler):
     def _final_turn(self, st: RequestState, turn: int) -> tuple[list[int], list[int], list[float] | None]:
         """The finishing turn as on_turn_end shaped it (no step runs for it, in ms-swift either)."""
         where = f"{st.where(turn)}: on_turn_end"
-        choice = st.choice
+        choice = st.reply
         engine = [float(x["logprob"]) for x in choice.logprobs["content"]] if choice.logprobs else None
         ids, mask, logprobs, _ = turn_overrides(st.turn_result, choice.token_ids, engine, where)
         validate_tokens(ids, mask, logprobs, where=where)

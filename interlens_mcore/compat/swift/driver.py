@@ -54,7 +54,7 @@ def build_requests(
     """
     if num_generations < 1:
         raise ValueError(f"num_generations must be >= 1, got {num_generations}")
-    states = []
+    states: list[RequestState] = []
     for i, row in enumerate(rows):
         if isinstance(row, RolloutInferRequest):
             messages, data = row.messages, row.data_dict
@@ -138,7 +138,7 @@ def _override_final(out: RolloutOutput, st: RequestState) -> None:
     if st.final is None:
         return
     ids, mask, logprobs = st.final
-    choice = st.choice
+    choice = st.reply
     turn, turn_mask = out.response_token_ids[-1], out.response_loss_mask[-1]
     k = len(turn) - len(choice.token_ids)  # the sampled ids are the turn's tail
     before = sum(turn_mask[:k])
@@ -206,6 +206,7 @@ def run(
     scheduler.bind(engine, tokenizer)
     states = build_requests(rows, num_generations=num_generations, rank=rank, seed=seed)
     bridge = SwiftBridge(scheduler, chat, states, cap)
+    error: BaseException | None  # the first failure on this rank, kept for the notes
     first_requests, error = _open(scheduler, states, chat, bridge, step_timeout_s)
     failure = _agreed(gather_fn, rank, error)
     if failure is None:

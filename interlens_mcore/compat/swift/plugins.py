@@ -53,7 +53,7 @@ def resolve_scheduler(spec: str) -> type[MultiTurnScheduler] | type[NativeSchedu
 
 
 def build_scheduler(
-    cls: type[MultiTurnScheduler],
+    cls: type[MultiTurnScheduler] | type[NativeScheduler],
     *,
     engine: Any = None,
     tokenizer: Any = None,

@@ -98,7 +98,8 @@ class MultiTurnScheduler:
         """Default: a reply cut at the token cap, or `max_turns` reached (0 / None: no cap)."""
         if response_choice.finish_reason == "length":
             return True
-        return bool(self.max_turns) and current_turn >= self.max_turns
+        cap = self.max_turns
+        return cap is not None and cap != 0 and current_turn >= cap
 
     def step(
         self,

@@ -100,6 +100,12 @@ class LossConfig:
         default=20.0, metadata={"help": "|log ratio| cap before exp: e^20 is large but finite in fp32"}
     )
 
+    @property
+    def correction(self) -> IsMode:
+        """`is_mode` as the loss reads it: __post_init__ has turned a None into 'none'."""
+        assert self.is_mode is not None, "__post_init__ replaces an is_mode of None by 'none'"
+        return self.is_mode
+
     def __post_init__(self) -> None:
         if self.is_mode is None:  # the 'off' of Python callers; the command line says 'none'
             object.__setattr__(self, "is_mode", "none")

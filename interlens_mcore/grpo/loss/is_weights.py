@@ -28,11 +28,15 @@ Rejection = Literal["none", "token", "sequence", "sequence_k1", "sequence_k3"]
 REJECTIONS: tuple[str, ...] = get_args(Rejection)
 
 
-def _check_units(unit_ids: torch.Tensor | None, like: torch.Tensor, where: torch.Tensor, what: str) -> None:
+def _check_units(
+    unit_ids: torch.Tensor | None, like: torch.Tensor, where: torch.Tensor, what: str
+) -> torch.Tensor:
+    """`unit_ids`, checked: [B, T] like `like`, >= 0 wherever `where`."""
     if unit_ids is None or unit_ids.shape != like.shape:
         raise ValueError(f"group_ids must be [B, T] like log_ratio for {what}")
     if bool((unit_ids[where] < 0).any()):
         raise ValueError(f"group_ids must be >= 0 on every corrected token for {what}")
+    return unit_ids
 
 
 def unit_log_weight(
@@ -78,8 +82,8 @@ def importance_weights(
         raise ValueError(f"mode must be one of {IS_MODES[1:]}, got {mode!r}")
     lr = log_ratio.detach().float()
     if not mode.startswith("token"):
-        _check_units(group_ids, lr, corrected, f"mode {mode!r}")
-        lr = unit_log_weight(lr, corrected, group_ids, sequence_weight, clamp)
+        units = _check_units(group_ids, lr, corrected, f"mode {mode!r}")
+        lr = unit_log_weight(lr, corrected, units, sequence_weight, clamp)
     w = torch.exp(lr)
     low = 0.0 if threshold_low is None else threshold_low
     out = corrected & ((w > threshold) | (w < low))

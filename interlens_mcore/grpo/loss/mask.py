@@ -45,6 +45,7 @@ def rejected_tokens(diff_c, measured, sample_ids, advantages, config: LossConfig
     """[B, T] bool: measured tokens that the rejection rules remove."""
     out = torch.zeros_like(measured)
     if config.rejection != "none":
+        assert config.rejection_threshold is not None, "LossConfig requires it for every rule"
         out |= rejection_mask(
             diff_c,
             measured,
@@ -66,11 +67,11 @@ def clamped_log_ratio(train, rollout, where, clamp) -> torch.Tensor:
 
 
 def rollout_weights(diff_c, corrected, sample_ids, segment_ids, config: LossConfig):
-    groups = sample_ids if config.is_mode.startswith("sequence") else segment_ids
+    groups = sample_ids if config.correction.startswith("sequence") else segment_ids
     return importance_weights(
         diff_c,
         corrected,
-        mode=config.is_mode,
+        mode=config.correction,
         threshold=config.is_threshold,
         group_ids=groups,
         threshold_low=config.is_threshold_low,

@@ -17,7 +17,7 @@ whose docstring shows the order a trainer calls things in).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -61,7 +61,7 @@ def _check_options(
 ) -> None:
     if config.beta > 0 and ref_logprobs is None:
         raise ValueError(f"ref_logprobs are required when LossConfig.beta > 0 (beta={config.beta})")
-    if config.is_mode.startswith("turn") and segment_ids is None:
+    if config.correction.startswith("turn") and segment_ids is None:
         raise ValueError(f"segment_ids are required for is_mode {config.is_mode!r}")
     if token_mask is not None:
         if token_mask.dtype != torch.bool:
@@ -144,6 +144,7 @@ def grpo_loss(
         diff = torch.where(t.compared, t.diff_c, 0.0)
         weights, truncated, masked = rollout_weights(diff, t.compared, sample_ids, segment_ids, config)
         if config.is_batch_normalize:
+            assert is_weight_mean is not None, "_check_options requires it with is_batch_normalize"
             weights = torch.where(t.compared, weights / float(is_weight_mean), weights)
     old = torch.where(t.compared, rollout, train) if config.bypass else train
 
@@ -283,7 +284,11 @@ def merge_metrics(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) 
     """Combine two calls' metrics: sum, max for keys ending in '/max', min for '/min'."""
     if a.keys() != b.keys():
         raise ValueError(f"metrics must have the same keys, got {sorted(a.keys() ^ b.keys())} in only one")
-    ops = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
+    ops: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+        "sum": torch.add,
+        "max": torch.maximum,
+        "min": torch.minimum,
+    }
     return {k: ops[reduction(k)](a[k], b[k]) for k in a}
 
 
