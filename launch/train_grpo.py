@@ -6,11 +6,14 @@
     torchrun --nproc_per_node=2 --max-restarts 3 launch/train_grpo.py --output-dir runs/grpo --resume auto
     torchrun --nproc_per_node=2 launch/train_grpo.py --task mymodule:make_tasks --reward mymodule:reward
     torchrun --nproc_per_node=2 launch/train_grpo.py --config run.yaml --steps 20
+    python launch/run.py --nproc_per_node=2 launch/train_grpo.py ...   # torchrun, exit codes kept
 
 Writes OUTPUT_DIR (default: a new runs/<task>-<timestamp>): run.json (the effective options),
 metrics.jsonl, completions.jsonl, reward.png, tensorboard/ or wandb/ with --report-to, and
 checkpoints/step-NNNNNN (atomic; --resume continues from the newest). Bad input: one line on
-stderr, exit code 2, nothing written. `--help` lists every option with its default.
+stderr, exit code 2, nothing written (docs/bad-input.md lists each). SIGTERM or Ctrl-C: the
+step finishes, is saved, and the run exits 0 (--save-on-signal). `--help` lists every option
+with its default.
 """
 
 from __future__ import annotations
@@ -19,55 +22,90 @@ import os
 import sys
 
 from interlens_mcore import distributed
-from interlens_mcore.cli import quiet  # noqa: F401  (before megatron / DeepSpeed are imported)
+from interlens_mcore.cli import (
+    quiet,  # noqa: F401  (before megatron / DeepSpeed are imported)
+    refusal,
+)
 from interlens_mcore.cli.args import UsageError, parse
 from interlens_mcore.cli.build import build_trainer, check
-from trainers.checkpoint import NoIntactCheckpoint
+from trainers import preemption
+from trainers.checkpoint import ResumeRefused
 from trainers.rundir import RunDirError
 
 
 def _say(message: str) -> None:
     if os.environ.get("RANK", "0") == "0":
-        print(f"train_grpo.py: error: {message}", file=sys.stderr)
+        print(f"train_grpo.py: {' '.join(message.split())}", file=sys.stderr, flush=True)
+
+
+def _refuse(message: str) -> int:
+    """One line, exit code 2; kept for torchrun's restarts of this run (see cli/refusal.py)."""
+    _say(f"error: {message}")
+    refusal.record(message)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
+        return _main(argv)
+    finally:
+        preemption.release()  # the caller's own signal handlers again
+
+
+def _main(argv: list[str] | None) -> int:
+    if refusal.recorded() is not None:  # a restart of a refused run: its line was printed once
+        return 2
+    try:
         args = parse(argv, description=__doc__.splitlines()[0])
+        if args.trainer.save_on_signal:
+            preemption.hold()  # a signal during start-up stops the run at its first step boundary
         source = check(args)  # every check that needs no process group
         # decided before any rank can write run.json (that waits for the process group), so
         # every rank of a restarted or a fresh `--resume auto` run decides alike
         resume = args.launch.resuming(args.trainer.output_dir)
     except UsageError as exc:
-        _say(str(exc))
-        return 2
+        return _refuse(str(exc))
     import torch
 
     torch.set_num_threads(1)  # ranks share the cores; one intra-op thread each
     distributed.init_distributed(timeout_s=args.trainer.collective_timeout_s)
     try:
         trainer = build_trainer(args, source)
-        if distributed.rank() == 0:
-            print(f"config: {trainer.run_info}", file=sys.stderr)
         try:
-            start = trainer.resume() if resume else 0
-            if distributed.rank() == 0 and start:
-                print(f"resuming at step {start} of {args.trainer.steps}", file=sys.stderr)
+            start = trainer.resume() if resume else 0  # a refusal here is the run's only line
+            if distributed.rank() == 0:
+                print(f"config: {trainer.run_info}", file=sys.stderr)
+                if start:
+                    print(f"resuming at step {start} of {args.trainer.steps}", file=sys.stderr)
             trainer.train()
-        except (NoIntactCheckpoint, RunDirError) as exc:  # every rank raises it together
-            _say(str(exc))
-            return 2
+        except (ResumeRefused, RunDirError) as exc:  # every rank raises it together
+            return _refuse(str(exc))
         except distributed.WorldFailure as exc:  # on every rank: its last line names the cause
             print(f"train_grpo.py: error: {exc}", file=sys.stderr, flush=True)
             # no rank leaves before every rank has said it (torchrun stops the others at the
             # first exit); a peer that is already gone ends the wait at once
             distributed.barrier_or_gone(trainer.world_check)
             return 1
+        except KeyboardInterrupt:  # a second Ctrl-C: the user wants out now
+            _say("interrupted: stopped without a checkpoint of this step; --resume continues from the newest")
+            return 130
+        if trainer.stop.stopped:
+            _say(_stopped(trainer, start))
+            return 0
         if args.launch.export_hf:
             trainer.export_hf(args.launch.export_hf)
     finally:
         distributed.destroy()
     return 0
+
+
+def _stopped(trainer, start: int) -> str:
+    """The one line of a run stopped by a signal at a step boundary."""
+    steps, name = trainer.config.steps, trainer.stop.name
+    if trainer.step == start:
+        return f"stopped by {name} before step {start} of {steps}: nothing new to save; --resume continues"
+    saved = trainer.checkpoint_root / f"step-{trainer.step:06d}"
+    return f"stopped by {name} after step {trainer.step} of {steps}: saved {saved}; --resume continues"
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@ are removed.
 
 Atomicity does not protect a checkpoint after it is published (a disk fault, a copy cut short,
 a stray edit). `manifest.json` lists every file with its size and sha256; `verify` checks a
-folder against it, and `newest_intact` renames a folder that fails to `corrupt-step-NNNNNN`,
-kept for inspection but never chosen again.
+folder against it (a file it does not list fails too: the manifest vouches for the whole
+folder), and `newest_intact` renames a folder that fails to `corrupt-step-NNNNNN`, kept for
+inspection but never chosen again.
 """
 
 from __future__ import annotations
@@ -16,13 +17,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import shutil
 from collections.abc import Callable
-from pathlib import Path
-
-import numpy as np
-import torch
+from pathlib import Path, PurePosixPath
 
 from interlens_mcore import distributed
 
@@ -30,7 +27,11 @@ PREFIX, TMP_PREFIX, CORRUPT_PREFIX = "step-", ".tmp-step-", "corrupt-step-"
 MANIFEST, META = "manifest.json", "meta.json"
 
 
-class NoIntactCheckpoint(ValueError):
+class ResumeRefused(ValueError):
+    """`--resume` cannot continue the run in this folder as it is (the message says why and what to do)."""
+
+
+class NoIntactCheckpoint(ResumeRefused):
     """Resuming found checkpoints, all of them corrupt (starting over would be a silent restart)."""
 
 
@@ -93,6 +94,8 @@ def verify(folder: Path) -> str | None:
     for rel, want in files.items():
         if not (isinstance(want, dict) and isinstance(want.get("bytes"), int) and "sha256" in want):
             return f"{MANIFEST}: malformed entry for {rel}"
+        if PurePosixPath(rel).is_absolute() or ".." in PurePosixPath(rel).parts:
+            return f"{MANIFEST}: entry {rel} is outside the checkpoint"
         path = folder / rel
         if not path.is_file():
             return f"{rel}: missing"
@@ -103,7 +106,20 @@ def verify(folder: Path) -> str | None:
             return f"{rel}: size mismatch ({size} bytes, expected {want['bytes']})"
         if _sha256(path) != want["sha256"]:
             return f"{rel}: sha256 mismatch"
-    return None
+    return _unlisted(folder, set(files))
+
+
+def _unlisted(folder: Path, listed: set[str]) -> str | None:
+    own = {MANIFEST, META}
+    found = sorted(
+        rel
+        for p in folder.rglob("*")
+        if p.is_file() and (rel := p.relative_to(folder).as_posix()) not in listed and rel not in own
+    )
+    if not found:
+        return None
+    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    return f"{found[0]}: not in {MANIFEST}{more}"
 
 
 def _load_json(path: Path) -> tuple[object, str | None]:
@@ -128,9 +144,7 @@ def newest_intact(root: Path) -> tuple[Path | None, list[tuple[str, str, str]]]:
         reason = verify(folder)
         if reason is None:
             return folder, bad
-        kept = _free_name(root, CORRUPT_PREFIX + folder.name[len(PREFIX) :])
-        os.replace(folder, root / kept)
-        bad.append((folder.name, reason, kept))
+        bad.append((folder.name, reason, set_aside(root, folder)))
     return None, bad
 
 
@@ -157,11 +171,8 @@ def clean_stale(root: Path) -> None:
                 shutil.rmtree(p, ignore_errors=True)
 
 
-def rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+def set_aside(root: Path, folder: Path) -> str:
+    """Rename `folder` to `corrupt-step-NNNNNN` (a free name); returns the new name (rank 0 only)."""
+    kept = _free_name(root, CORRUPT_PREFIX + folder.name[len(PREFIX) :])
+    os.replace(folder, root / kept)
+    return kept

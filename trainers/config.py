@@ -7,6 +7,7 @@ everywhere. Runtime objects (model, groups, tokenizer) are constructor arguments
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -61,6 +62,13 @@ class TrainerConfig:
             "longest wait of one rank for another (a rollout or evaluation one rank finishes first)"
         },
     )
+    save_on_signal: bool = field(
+        default=True,
+        metadata={
+            "help": "SIGTERM / SIGINT (preemption, Ctrl-C): finish the step, save a checkpoint and exit 0; "
+            "a second signal stops at once"
+        },
+    )
 
     def __post_init__(self) -> None:
         for name in (
@@ -76,6 +84,9 @@ class TrainerConfig:
         for name in ("eval_every", "log_completions_every", "log_completions"):
             if getattr(self, name) < 0:
                 raise ValueError(f"TrainerConfig.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("lr", "weight_decay", "grad_clip"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"TrainerConfig.{name} must be a finite number, got {getattr(self, name)}")
         if not self.lr > 0:
             raise ValueError(f"TrainerConfig.lr must be > 0, got {self.lr}")
         if not self.grad_clip > 0:

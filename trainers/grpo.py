@@ -42,7 +42,7 @@ from interlens_mcore.rollout.rollouter import (
 )
 from interlens_mcore.tasks import TaskSource
 
-from . import rundir, state
+from . import preemption, rundir, state
 from .backends.base import Backend
 from .config import TrainerConfig
 from .report import record
@@ -128,6 +128,8 @@ class GRPOTrainer:
         )
         self.run_info = {**described, **(run_info or {}), "output_dir": str(self.output_dir)}
         self.step, self.skipped_steps, self.resumed = 0, 0, False
+        self.claim: state.FolderClaim | None = None  # the output folder, once taken
+        self.stop = preemption.StopRequest(config.save_on_signal)  # SIGTERM / SIGINT: save and stop
         # a failure on any rank reaches every rank of the world as its named cause, at once; the
         # check waits as long as any collective may (a rank that failed early waits there)
         timeout = world_check_timeout_s if world_check_timeout_s is not None else config.collective_timeout_s
@@ -150,7 +152,8 @@ class GRPOTrainer:
     def train(self) -> list[dict]:
         """Run (or continue) to `config.steps`; returns the records of the steps run here."""
         cfg = self.config
-        lock = state.claim_output_dir(self.output_dir, self.run_info, resume=self.resumed)
+        state.claim_output_dir(self)
+        start = self.step
         report = Reporter(
             self.output_dir,
             reporters=cfg.reporters,
@@ -160,11 +163,15 @@ class GRPOTrainer:
             run_info=self.run_info,
         )
         records = []
+        self.stop.start()
         try:
-            while self.step < cfg.steps:
+            while self.step < cfg.steps and not self.stop.agreed(self.world_check):
                 with distributed.stage(f"step {self.step}"):
                     records.append(self.step_and_log(report))
-            if cfg.eval_every:  # the weights the run ends with
+            if self.stop.stopped:  # every rank agreed after the same step: save it, end here
+                with distributed.stage(f"step {self.step} / checkpoint"):
+                    state.save_on_stop(self, start)
+            elif cfg.eval_every:  # the weights the run ends with
                 with distributed.stage(f"step {self.step}"):
                     report.log({"step": self.step, **self.evaluation()})
         except BaseException:
@@ -173,8 +180,8 @@ class GRPOTrainer:
         else:
             report.close(steps=self.step)
         finally:
-            if lock is not None:
-                lock.close()
+            self.stop.finish()
+            state.release_output_dir(self)
         return records
 
     def step_and_log(self, report: Reporter) -> dict:

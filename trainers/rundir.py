@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 RUN_FILE, LOCK_FILE = "run.json", ".lock"
+# the newest checkpoint the run published: a resumption that finds it gone refuses to start over
+LAST_CHECKPOINT_FILE = "last_checkpoint.json"
 RESUMABLE = {
     "steps",
     "output_dir",
@@ -27,6 +29,7 @@ RESUMABLE = {
     "eval_every",
     "resume",
     "export_hf",
+    "save_on_signal",
     "tp",  # checkpoints are sharded and reshard: a run saved at TP=2 resumes at TP=1
 }
 
@@ -74,18 +77,26 @@ def check(out: Path, run: dict[str, Any], *, resume: bool) -> None:
         )
 
 
-def claim(out: Path, run: dict[str, Any], *, resume: bool):
-    """Check, take `.lock` for this process's lifetime, write `run.json`; returns the lock handle.
+def lock(out: Path, run: dict[str, Any], *, resume: bool):
+    """Take `.lock` for this process's lifetime, then `check`; returns the lock handle.
 
-    A run whose launcher was killed may leave workers running (torchrun starts them in their
-    own sessions); a second run writing into the same folder would interleave with them. The
-    kernel drops the lock when its holder dies, so a killed run never blocks its resumption.
+    Nothing in the folder is read or removed before the lock is held: a run whose launcher was
+    killed may leave workers running (torchrun starts them in their own sessions), and a second
+    run must not touch what they write. The kernel drops the lock when its holder dies, so a
+    killed run never blocks its resumption. A refusal leaves the folder as it found it.
     """
     import fcntl
 
-    check(out, run, resume=resume)
-    out.mkdir(parents=True, exist_ok=True)
-    handle = (out / LOCK_FILE).open("w")
+    if out.exists() and not out.is_dir():
+        raise RunDirError(f"--output-dir {out}: exists and is not a folder")
+    created = [p for p in (out, *out.parents) if not p.exists()]
+    lock_created = not (out / LOCK_FILE).exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        handle = (out / LOCK_FILE).open("a")
+    except OSError as exc:
+        _remove(created)
+        raise RunDirError(f"--output-dir {out}: cannot create it ({exc.strerror or exc})") from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -93,8 +104,24 @@ def claim(out: Path, run: dict[str, Any], *, resume: bool):
         raise RunDirError(
             f"--output-dir {out}: another process is still writing to it (.lock is held)"
         ) from None
-    write_json_atomic(out / RUN_FILE, run)
+    try:
+        check(out, run, resume=resume)
+    except RunDirError:
+        if lock_created:
+            (out / LOCK_FILE).unlink()
+        handle.close()
+        _remove(created)
+        raise
     return handle
+
+
+def _remove(created: list[Path]) -> None:
+    # the folders this process made, deepest first; one another process filled since stays
+    for p in created:
+        try:
+            p.rmdir()
+        except OSError:
+            return
 
 
 def write_json_atomic(path: Path, data: dict) -> None:

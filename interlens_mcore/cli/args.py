@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import difflib
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -217,7 +218,9 @@ def parse(argv: list[str] | None, description: str, extra: tuple = ()) -> Args:
             raise UsageError(_suggest("unrecognized arguments: " + text.split(":", 1)[1], p)) from None
         raise UsageError(flagify(text)) from None
     # mypy cannot count the sections of a starred slice: one per field of Args before `extra`
-    return Args(*sections[: len(SECTIONS)], extra=tuple(sections[len(SECTIONS) :]))  # type: ignore[misc]
+    args = Args(*sections[: len(SECTIONS)], extra=tuple(sections[len(SECTIONS) :]))  # type: ignore[misc]
+    check_finite(args)
+    return args
 
 
 def _config_path(argv: list[str]) -> str | None:
@@ -270,15 +273,33 @@ def read_yaml(path: Path, sections: tuple = SECTIONS) -> dict[str, Any]:
             value = json.dumps(value)
         if name in ("reward", "reward_weights") and not isinstance(value, list):
             value = [value]
-        kinds = _kind(hints[name])
-        if (
-            value is not None
-            and kinds
-            and not isinstance(value, kinds)
-            or isinstance(value, bool)
-            and bool not in kinds
-        ):
-            expected = " or ".join(k.__name__ for k in kinds)
-            raise UsageError(f"--config {path}: {key} must be {expected}, got {value!r}")
+        problem = _wrong_type(value, hints[name])
+        if problem is not None:
+            raise UsageError(f"--config {path}: {key} must be {problem}, got {value!r}")
         out[name] = value
     return out
+
+
+def _wrong_type(value: Any, tp: Any) -> str | None:
+    """What a YAML value of a field of type `tp` must be, if `value` is not that; else None."""
+    if value is None:
+        return None if type(None) in get_args(tp) else " or ".join(k.__name__ for k in _kind(tp))
+    kinds = _kind(tp)
+    if kinds and not isinstance(value, kinds) or isinstance(value, bool) and bool not in kinds:
+        return " or ".join(k.__name__ for k in kinds)
+    if get_origin(tp) is list and get_args(tp):  # every item too (`reward: 5` is a list of one 5)
+        item = get_args(tp)[0]
+        if any(_wrong_type(v, item) is not None for v in value):
+            return f"a list of {item.__name__}"
+    return None
+
+
+def check_finite(args: Args) -> None:
+    """UsageError naming the flag of a float option that is inf or nan (every float option is a size)."""
+    for section in (args.launch, args.backend, args.trainer, args.rollout, args.loss, *args.extra):
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            values = value if isinstance(value, list) else [value]
+            if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+                what = "finite numbers" if isinstance(value, list) else "a finite number"
+                raise UsageError(f"{flag(f.name)} must be {what}, got {value}")

@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from interlens_mcore import distributed
+from interlens_mcore.cli import sizes
 from interlens_mcore.cli.args import Args, UsageError, flagify
+from interlens_mcore.distributed.safe_load import UnsafeCheckpoint, check_dcp
 from interlens_mcore.grpo.rewards import environment_reward, reward_name
 from interlens_mcore.plugins import load_object
 from interlens_mcore.tasks import TaskSource, resolve_task
@@ -51,12 +53,15 @@ def task_source(args: Args) -> TaskSource:
             source = dataset.source(la.dataset, la.prompt_column, la.eval_dataset, **la.task_arguments)
         else:
             source = resolve_task(la.task, la.task_arguments)
-        if la.tools is not None:
-            from interlens_mcore.tools import load_tools, with_tools
-
-            source = with_tools(source, load_tools(la.tools), tokenizer=tokenizer(args))
     except ValueError as exc:
         raise UsageError(flagify(str(exc))) from None
+    if la.tools is not None:
+        from interlens_mcore.tools import load_tools, with_tools
+
+        try:
+            source = with_tools(source, load_tools(la.tools), tokenizer=tokenizer(args))
+        except ValueError as exc:
+            raise UsageError(f"--tools {la.tools}: {flagify(str(exc))}") from None
     return source
 
 
@@ -131,7 +136,12 @@ def check(args: Args) -> TaskSource:
             "(convert it: launch/convert.py --megatron IN --hf OUT)"
         )
     folder = model_folder(args)
-    check_heads(json.loads((folder / "config.json").read_text()), b.tp, str(folder))
+    check_heads(model_config(folder, b.model), b.tp, str(folder))
+    if b.model is not None and (folder / "megatron.json").is_file():
+        try:  # its weights are read through DCP, whose metadata is a pickle: checked first
+            check_dcp(folder / "weights")
+        except UnsafeCheckpoint as exc:
+            raise UsageError(f"--model {b.model}: refused, {exc}") from None
     if b.vllm_sleep and b.engine != "vllm":
         raise UsageError("--vllm-sleep puts vLLM to sleep during training: it needs --engine vllm")
     if b.engine == "vllm":
@@ -144,7 +154,9 @@ def check(args: Args) -> TaskSource:
         raise UsageError("--export-hf is available with --backend megatron only")
     source = task_source(args)
     reward_fns(args)
+    sizes.check_sizes(args, source)
     if t.output_dir is not None:
+        sizes.check_output_dir(Path(t.output_dir))
         try:
             rundir.check(
                 Path(t.output_dir), run_info(args, source), resume=args.launch.resuming(t.output_dir)
@@ -176,6 +188,27 @@ def check_vllm() -> None:
             f"--engine vllm: vLLM does not import here ({reason}); on a GPU install it with "
             'pip install -e ".[all,vllm]", on CPU run in the environment .ci/vllm_stage.sh builds'
         ) from None
+
+
+def model_config(folder: Path, flag_value: str | None) -> dict:
+    """--model's config.json, checked for what building the model reads first."""
+    path, name = folder / "config.json", flag_value or str(folder)
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UsageError(f"--model {name}: {path} is not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"--model {name}: {path} holds {type(config).__name__}, expected a JSON object")
+    if not isinstance(config.get("model_type"), str):
+        raise UsageError(f"--model {name}: {path} has no model_type (not a transformers model config)")
+    keys = ("num_attention_heads", "hidden_size", "num_hidden_layers", "vocab_size", "num_key_value_heads")
+    for key in keys:
+        value = config.get(key)
+        if value is None and key == "num_key_value_heads":
+            continue  # absent: as many as the attention heads
+        if type(value) is not int or value < 1:
+            raise UsageError(f"--model {name}: {path}: {key} must be a positive integer, got {value!r}")
+    return config
 
 
 def check_heads(hf_config: dict, tp: int, where: str) -> None:

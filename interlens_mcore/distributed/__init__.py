@@ -6,7 +6,8 @@ public name of the four modules is here.
   local phases that keep every rank in the same collective;
 - `groups`: process-group set-up and the frozen `ParallelGroups` every other module receives;
 - `failure`: the world check, one rank's error named on every rank (`WorldFailure`);
-- `checkpoint`: sharded checkpoint I/O (`Block`, `save_sharded`, `load_sharded`).
+- `checkpoint`: sharded checkpoint I/O (`Block`, `save_sharded`, `load_sharded`);
+- `safe_load`: reading checkpoints without unpickling code (imported as a module).
 """
 
 from .checkpoint import Block, load_sharded, save_sharded, saved_shapes
@@ -35,6 +36,7 @@ from .groups import (
     destroy,
     init_distributed,
     init_megatron,
+    launcher_store,
     megatron_tp_group,
     side_groups,
 )
@@ -60,6 +62,7 @@ __all__ = [
     "init_distributed",
     "init_megatron",
     "is_initialized",
+    "launcher_store",
     "load_sharded",
     "local_phase",
     "megatron_tp_group",

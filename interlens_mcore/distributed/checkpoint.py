@@ -82,10 +82,11 @@ def save_sharded(
 
 def saved_shapes(folder: str | Path) -> dict[str, tuple[int, ...] | None]:
     """Global shape of every tensor in a sharded checkpoint (None for a non-tensor entry)."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    from .safe_load import dcp_metadata
+
+    metadata = dcp_metadata(folder).state_dict_metadata  # DCP's own reader unpickles freely
     return {k: tuple(m.size) if isinstance(m, TensorStorageMetadata) else None for k, m in metadata.items()}
 
 
@@ -100,7 +101,10 @@ def load_sharded(
     """
     import torch.distributed.checkpoint as dcp
 
+    from .safe_load import dcp_planner, dcp_reader
+
     with _quiet_sharded_tensor():
         state = _dcp_state(blocks, plain, group)
-        dcp.load(state, checkpoint_id=str(folder))
+        # a reader and planner that unpickle nothing but DCP's metadata classes (safe_load)
+        dcp.load(state, storage_reader=dcp_reader(folder), planner=dcp_planner())
     return {k: state[k] for k in plain}

@@ -231,3 +231,18 @@ def check_layout(*, tp: int, pp: int = 1, cp: int = 1, world: int | None = None)
         )
     if tp < 1 or world % tp:
         raise ValueError(f"--tp {tp} does not divide the world size {world}")
+
+
+def launcher_store(*, timeout_s: float = 60.0) -> dist.TCPStore | None:
+    """torchrun's own key-value store (it outlives a restart of the workers), or None outside torchrun."""
+    import os
+
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(seconds=timeout_s),
+        use_libuv=True,
+    )

@@ -17,7 +17,8 @@ conversion (`convert.param_map`), so one description serves both:
 Optimizer state of a torch optimizer (AdamW on the CPU path: per-parameter tensors shaped
 like the parameter, plus scalars like `step`) is stored under `optimizer.<state>.<parameter
 name>` with the parameter's split, so it reshards the same way; the hyperparameters of its
-parameter groups are stored as an object. A megatron optimizer (the GPU path: fp32 main
+parameter groups are stored as JSON in a byte tensor (no checkpoint file is a pickle of this
+package: see `interlens_mcore.distributed.safe_load`). A megatron optimizer (the GPU path: fp32 main
 weights and moments, sharded over DP by the distributed optimizer) is stored by megatron's
 own `dist_checkpointing` under `optimizer/`, built against the model's `sharded_state_dict`.
 
@@ -36,13 +37,13 @@ Layout of a checkpoint folder::
 from __future__ import annotations
 
 import json
-import pickle
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .. import distributed
+from ..distributed import safe_load
 from .convert import MEGATRON_MARKER, ParamRule, _checked_rules, _join
 from .model import ModelLayout
 
@@ -53,6 +54,8 @@ if TYPE_CHECKING:
 FORMAT = "interlens_mcore.megatron.checkpoint/1"
 MARKER, WEIGHTS = MEGATRON_MARKER, "weights"
 OPTIMIZER = "optimizer"
+HYPERPARAMETERS = f"{OPTIMIZER}.param_groups.json"  # a uint8 tensor of JSON
+_PICKLED_HYPERPARAMETERS = f"{OPTIMIZER}.param_groups"  # an earlier format: a pickled object
 
 
 def is_megatron_checkpoint(path: str | Path) -> bool:
@@ -145,9 +148,24 @@ def _entries(
     return blocks, plain, by_key
 
 
-def _groups_hyperparameters(optimizer: torch.optim.Optimizer) -> bytes:
-    # pickled: DCP would flatten a list of dicts into one entry per value (and tuples into lists)
-    return pickle.dumps([{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups])
+def _groups_hyperparameters(optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    # JSON in a byte tensor: DCP would flatten a list of dicts into one entry per value, and it
+    # stores any other object as a pickle
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    try:
+        text = json.dumps(groups, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"optimizer hyperparameters must be JSON numbers, strings, lists ({exc})") from None
+    return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8).clone()
+
+
+def _set_hyperparameters(optimizer: torch.optim.Optimizer, stored: torch.Tensor, folder: Path) -> None:
+    groups = json.loads(bytes(stored.tolist()).decode())
+    if not isinstance(groups, list) or len(groups) != len(optimizer.param_groups):
+        raise ValueError(f"checkpoint {folder}: {HYPERPARAMETERS} holds not one entry per parameter group")
+    for group, hyper in zip(optimizer.param_groups, groups, strict=True):
+        # JSON has no tuples: a value that is a tuple here (AdamW's betas) stays one
+        group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in hyper.items()})
 
 
 # ---- save / load ----
@@ -184,7 +202,7 @@ def save(
     blocks, plain, _ = _entries(model, layout, torch_optimizer)
     objects: dict = {}
     if torch_optimizer is not None:
-        objects[f"{OPTIMIZER}.param_groups"] = _groups_hyperparameters(torch_optimizer)
+        objects[HYPERPARAMETERS] = _groups_hyperparameters(torch_optimizer)
     if distributed.rank() == 0:
         folder.mkdir(parents=True, exist_ok=True)
     distributed.barrier()
@@ -233,6 +251,8 @@ def _load_megatron_optimizer(folder: Path, model: GPTModel, optimizer: MegatronO
     target = folder / OPTIMIZER
     if not target.is_dir():
         raise ValueError(f"checkpoint {folder} holds no megatron optimizer state (no {OPTIMIZER}/)")
+    # megatron's own DCP reader unpickles the metadata and byte entries freely: checked first
+    safe_load.check_dcp(target)
     request = optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=True)
     optimizer.load_state_dict(dist_checkpointing.load(request, str(target)))
 
@@ -271,15 +291,18 @@ def load(
             raise ValueError(
                 f"checkpoint {folder}: tensor {key!r} has shape {saved[key]}, this model expects {shape}"
             )
-    objects = {f"{OPTIMIZER}.param_groups": None} if optimizer is not None else {}
+    objects = {}
+    if optimizer is not None:
+        size = saved[HYPERPARAMETERS]
+        if size is None:
+            raise ValueError(f"checkpoint {folder}: {HYPERPARAMETERS} is not a tensor")
+        objects[HYPERPARAMETERS] = torch.zeros(size, dtype=torch.uint8)
     loaded = distributed.load_sharded(
         folder / WEIGHTS, blocks, {**plain, **objects}, distributed.megatron_tp_group()
     )
     _zero_vocab_padding(model, layout)
     if optimizer is not None:
-        hyperparameters = pickle.loads(loaded[f"{OPTIMIZER}.param_groups"])
-        for group, hyper in zip(optimizer.param_groups, hyperparameters, strict=True):
-            group.update(hyper)
+        _set_hyperparameters(optimizer, loaded[HYPERPARAMETERS], folder)
     if megatron_optimizer is not None:
         # after the model: megatron's optimizer copies its fp32 main weights from the state
         _load_megatron_optimizer(folder, model, megatron_optimizer)
@@ -289,7 +312,12 @@ def _prepare_state(optimizer: torch.optim.Optimizer, params: dict, saved: dict, 
     """Give every parameter the state tensors the checkpoint holds, so DCP can load into them."""
     prefix = f"{OPTIMIZER}."
     names = {id(p): storage_key(n) for n, p in params.items()}
-    if f"{prefix}param_groups" not in saved:
+    if _PICKLED_HYPERPARAMETERS in saved and HYPERPARAMETERS not in saved:
+        raise ValueError(
+            f"checkpoint {folder} stores its optimizer hyperparameters as a pickle (an earlier format), "
+            "which is not read: load it as --model (weights only) and train from there"
+        )
+    if HYPERPARAMETERS not in saved:
         raise ValueError(f"checkpoint {folder} holds no optimizer state (saved without an optimizer)")
     state_keys = sorted(
         {k[len(prefix) :].split(".", 1)[0] for k in saved if k.startswith(prefix)} - {"param_groups"}

@@ -17,10 +17,12 @@ rows without repeats while `n` allows (a fresh permutation per seed).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,11 +81,60 @@ def load_rows(path: str, *, split: str = "train") -> Any:
     if not os.path.isfile(path):
         raise ValueError(f"dataset {path!r}: no such file")
     try:
-        return datasets.load_dataset(_BUILDERS[ext], data_files=path, split="train")
+        with _quiet_datasets():  # its own lines about an unreadable file would not be the one line
+            data = datasets.load_dataset(_BUILDERS[ext], data_files=path, split="train")
     except Exception as exc:  # the builders raise their own error types for unreadable files
-        if "corresponds to no data" in str(exc):
-            raise ValueError(f"dataset {path!r} is empty") from exc
+        # their messages name neither the line nor the cause: for JSON, find it ourselves
+        problem = _json_problem(path) if ext in (".jsonl", ".json") else None
+        if problem is None and "corresponds to no data" in str(exc):
+            problem = "is empty"
+        if problem is not None:
+            raise ValueError(f"dataset {path!r} {problem}") from None
         raise ValueError(f"dataset {path!r}: cannot read it as {ext} ({type(exc).__name__}: {exc})") from exc
+    if len(data) == 0:
+        raise ValueError(f"dataset {path!r} is empty")
+    return data
+
+
+@contextmanager
+def _quiet_datasets():
+    import datasets
+
+    verbosity, bars = datasets.logging.get_verbosity(), datasets.is_progress_bar_enabled()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+        if bars:
+            datasets.enable_progress_bars()
+
+
+def _json_problem(path: str) -> str | None:
+    """What makes a JSON or JSON-lines file unreadable ("line N: ..."), or None."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as exc:
+        return f"is not UTF-8 text ({exc.reason} at byte {exc.start})"
+    if not text.strip():
+        return "is empty"
+    try:
+        json.loads(text)  # a JSON array (or one object) is a .json file datasets reads
+        return None
+    except json.JSONDecodeError:
+        pass
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            return f"line {n}: not JSON ({exc.msg} at column {exc.colno})"
+        if not isinstance(row, dict):
+            return f"line {n}: expected a JSON object per line, got {type(row).__name__}"
+    return None
 
 
 def prompt_messages(value: Any, *, where: str) -> list[Message]:

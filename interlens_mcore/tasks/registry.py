@@ -55,6 +55,10 @@ def resolve_task(spec: str, task_args: dict[str, Any] | None = None) -> TaskSour
             )
     except TypeError as exc:  # a task argument the factory does not take
         raise ValueError(f"--task {spec}: bad --task-args {args}: {exc}") from None
+    except ValueError as exc:
+        raise ValueError(str(exc) if str(exc).startswith("--task") else f"--task {spec}: {exc}") from None
+    except Exception as exc:  # the user's factory failed: name it, not a traceback of it
+        raise ValueError(f"--task {spec}: the factory raised {type(exc).__name__}: {exc}") from None
     if not isinstance(source, TaskSource):
         raise ValueError(
             f"--task {spec}: the factory returned {type(source).__name__}, expected an "

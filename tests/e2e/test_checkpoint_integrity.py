@@ -136,8 +136,64 @@ def test_resume_refuses_when_every_checkpoint_is_corrupt(tmp_path):
         if attempt == 0:
             assert "checkpoint step-000002 is corrupt (weights/__1_0.distcp: missing)" in res.stderr
         assert (
-            f"no intact checkpoint in {out / 'checkpoints'} to resume from; "
-            "set aside as corrupt: corrupt-step-000002"
-        ) in res.stderr
+            f"train_grpo.py: error: no intact checkpoint in {out / 'checkpoints'} to resume from; "
+            "set aside as corrupt: corrupt-step-000002. Delete them to train this run again from "
+            "step 0 with --resume, or train into a new --output-dir"
+        ) in res.stderr.splitlines()
     # nothing was trained from step 0 over the old run's log
     assert [r["step"] for r in metrics(out)] == [0, 1]
+
+
+def test_verify_names_a_file_the_manifest_does_not_list(tmp_path):
+    folder = _save(tmp_path, 2)
+    (folder / "deepspeed" / "extra.pt").write_bytes(b"not vouched for")
+    assert checkpoint.verify(folder) == "deepspeed/extra.pt: not in manifest.json"
+    # an emptied manifest vouches for nothing
+    (folder / "manifest.json").write_text(json.dumps({"files": {}}))
+    assert checkpoint.verify(folder) == "deepspeed/extra.pt: not in manifest.json (and 3 more)"
+
+
+def test_verify_refuses_a_manifest_entry_outside_the_folder(tmp_path):
+    folder = _save(tmp_path, 2)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"]["../elsewhere"] = {"bytes": 1, "sha256": "0" * 64}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    assert checkpoint.verify(folder) == "manifest.json: entry ../elsewhere is outside the checkpoint"
+
+
+def _cut(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def test_resume_falls_back_past_an_unlisted_and_an_unloadable_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    keep = ["--save-total-limit", "3"]  # steps 2, 4 and 6 are kept
+    res = torchrun("--output-dir", str(out), "--steps", "6", *SMALL, *keep)
+    assert res.returncode == 0, res.stderr[-3000:]
+    ckpts = out / "checkpoints"
+    # step 6: its manifest emptied and a weights file cut short, so the manifest vouches for nothing
+    (ckpts / "step-000006" / "manifest.json").write_text(json.dumps({"files": {}}))
+    _cut(ckpts / "step-000006" / "weights" / "__0_0.distcp")
+    # step 4: a weights file cut short under a manifest rewritten to match: only loading finds it
+    _cut(ckpts / "step-000004" / "weights" / "__1_0.distcp")
+    checkpoint.write_manifest(ckpts / "step-000004")
+    assert checkpoint.verify(ckpts / "step-000004") is None
+
+    res = torchrun("--output-dir", str(out), "--steps", "6", *SMALL, *keep, "--resume")
+    assert res.returncode == 0, res.stderr[-3000:]
+    said = res.stderr.splitlines()
+    corrupt = [line for line in said if line.startswith("checkpoint step-000006 is corrupt (")]
+    assert len(corrupt) == 1 and "not in manifest.json" in corrupt[0], res.stderr[-3000:]
+    assert corrupt[0].endswith("kept as corrupt-step-000006; resuming from step-000004")
+    unloadable = [line for line in said if line.startswith("checkpoint step-000004 does not load (rank ")]
+    assert len(unloadable) == 1 and unloadable[0].endswith("kept as corrupt-step-000004"), res.stderr[-3000:]
+    assert "resuming at step 2 of 6" in res.stderr
+    assert [r["step"] for r in metrics(out)] == list(range(6))
+    names = sorted(p.name for p in ckpts.iterdir())
+    assert names == [
+        "corrupt-step-000004",
+        "corrupt-step-000006",
+        "step-000002",
+        "step-000004",
+        "step-000006",
+    ]

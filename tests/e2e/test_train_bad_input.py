@@ -180,7 +180,10 @@ def test_engine_vllm_without_vllm(run, tmp_path, monkeypatch):
     out = tmp_path / "out"
     res = run("--engine", "vllm", "--output-dir", str(out))
     _refused(res, out, "--engine vllm: vLLM does not import here")
-    assert "pip install -e" in res.stderr and ".ci/vllm_stage.sh" in res.stderr
+    assert res.stderr.strip().endswith(
+        '; on a GPU install it with pip install -e ".[all,vllm]", on CPU run in the environment '
+        ".ci/vllm_stage.sh builds"
+    )
 
 
 def test_vllm_sleep_without_vllm_engine(run, tmp_path):

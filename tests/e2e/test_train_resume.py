@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
-from support.launch import ROOT, SMALL, TRAIN, children, env, kill_all, metrics, torchrun
+from support.launch import ROOT, SMALL, TRAIN, children, env, kill_all, metrics, python, torchrun
 
 STEPS = 6
 
@@ -67,7 +71,10 @@ def test_resume_with_changed_options_is_refused(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     res = torchrun("--output-dir", str(out), "--steps", "2", *SMALL, "--lr", "0.1", "--resume")
     assert res.returncode != 0
-    assert "--resume with different options: lr" in res.stderr
+    assert (
+        f"train_grpo.py: error: --output-dir {out}: --resume with different options: lr "
+        "(lr: 0.001 -> 0.1); start a new run in another folder to change them"
+    ) in res.stderr.splitlines()
 
 
 def test_second_writer_is_refused(tmp_path):
@@ -83,3 +90,85 @@ def test_second_writer_is_refused(tmp_path):
         assert "another process is still writing to it" in res.stderr
     finally:
         kill_all(proc)
+
+
+@contextlib.contextmanager
+def _held(out: Path):
+    """`.lock` held as a live run holds it (rundir.lock)."""
+    with (out / ".lock").open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        yield
+
+
+def test_a_refused_resume_touches_nothing_of_the_live_run(tmp_path):
+    out = tmp_path / "run"
+    res = python("--output-dir", str(out), "--steps", "2", *SMALL)
+    assert res.returncode == 0, res.stderr[-3000:]
+    live = out / "checkpoints" / ".tmp-step-000003"  # the live run's checkpoint being written
+    live.mkdir()
+    (live / "tokenizer.json").write_text("{}")
+    with _held(out):
+        res = python("--output-dir", str(out), "--steps", "4", *SMALL, "--resume")
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [
+        f"train_grpo.py: error: --output-dir {out}: another process is still writing to it (.lock is held)"
+    ]
+    assert (live / "tokenizer.json").is_file()
+    assert [r["step"] for r in metrics(out)] == [0, 1]
+
+
+def test_resume_auto_refused_by_a_live_run_stays_refused_when_restarted(tmp_path):
+    # the second of two `--resume auto` runs in one folder, under torchrun --max-restarts: its
+    # restart must not resume the first run once that one finished (here: let go of the folder)
+    out = tmp_path / "run"
+    res = torchrun("--output-dir", str(out), "--steps", "2", *SMALL)
+    assert res.returncode == 0, res.stderr[-3000:]
+    cmd = [sys.executable, str(ROOT / "launch" / "run.py"), "--standalone", "--nproc_per_node=2"]
+    cmd += [
+        "--max-restarts=2",
+        str(TRAIN),
+        "--output-dir",
+        str(out),
+        "--steps",
+        "2",
+        *SMALL,
+        "--resume",
+        "auto",
+    ]
+    lines: list[str] = []
+    with _held(out):
+        proc = subprocess.Popen(
+            cmd, env=env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
+        reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 240
+        while not any(".lock is held" in line for line in lines):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
+            time.sleep(0.1)
+    # the folder is free from here on: a restarted attempt that tried again would resume it
+    try:
+        proc.wait(timeout=240)
+    except subprocess.TimeoutExpired:
+        kill_all(proc)
+        raise
+    reader.join(timeout=30)
+    assert proc.returncode == 2, "".join(lines)[-3000:]
+    assert lines == [
+        f"train_grpo.py: error: --output-dir {out}: another process is still writing to it (.lock is held)\n"
+    ]
+    assert [r["step"] for r in metrics(out)] == [0, 1]
+
+
+def test_resume_with_its_checkpoints_deleted_is_refused(tmp_path):
+    out = tmp_path / "run"
+    res = python("--output-dir", str(out), "--steps", "2", *SMALL)
+    assert res.returncode == 0, res.stderr[-3000:]
+    shutil.rmtree(out / "checkpoints")
+    res = python("--output-dir", str(out), "--steps", "2", *SMALL, "--resume")
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [
+        f"train_grpo.py: error: --resume: step-000002, the newest checkpoint this run wrote, is gone from "
+        f"{out / 'checkpoints'}; resuming would redo steps 0..1. Restore it, or train into a new --output-dir"
+    ]
+    assert [r["step"] for r in metrics(out)] == [0, 1]  # not emptied

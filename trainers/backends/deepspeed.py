@@ -18,6 +18,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from interlens_mcore import distributed
+from interlens_mcore.distributed.safe_load import check_checkpoint
 from interlens_mcore.engines.base import Engine
 from interlens_mcore.engines.hf import HFEngine
 from interlens_mcore.engines.prefix_cache import PrefixCachingEngine
@@ -66,6 +67,7 @@ def build(
         vllm=vllm_config(cfg, 1),
     )
     return backend, groups
+
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -232,6 +234,9 @@ class DeepSpeedBackend:
         self.ds.save_checkpoint(str(folder), tag="deepspeed")
 
     def load(self, folder: Path) -> None:
+        # DeepSpeed reads its files with torch.load(weights_only=False): nothing that would call
+        # more than plain data types gets that far (interlens_mcore.safe_load)
+        check_checkpoint(folder / "deepspeed")
         path, _ = self.ds.load_checkpoint(str(folder), tag="deepspeed")
         if path is None:
             raise ValueError(f"checkpoint {folder} holds no DeepSpeed state")

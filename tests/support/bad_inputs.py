@@ -1,0 +1,422 @@
+"""Every input `launch/train_grpo.py` refuses, with the one line it prints: the source of
+docs/bad-input.md (`python tests/support/bad_inputs.py > docs/bad-input.md` writes it), and what
+tests/e2e/test_bad_input_table.py checks, row by row, against the script itself.
+
+In `args`, `files` and `message`, `{tmp}/` is a fresh folder (the table leaves it out) and `…`
+in a message stands for text that depends on the machine. A row with `tested_by` needs a run
+or a process group; the test named there runs it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FACTORY = "def make():\n    raise RuntimeError('boom')\n\n\ndef not_a_task():\n    return 5\n"
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """One refused input and the line after `train_grpo.py: error: `."""
+
+    what: str  # the input, as the table names it
+    args: tuple[str, ...]  # the command line (--output-dir {tmp}/out is added unless given)
+    message: str
+    files: tuple[tuple[str, str], ...] = ()  # (path under {tmp}, text) written first
+    env: tuple[tuple[str, str], ...] = ()  # e.g. WORLD_SIZE, as torchrun sets it
+    tested_by: str = ""  # tests/FILE.py::TEST for a refusal that needs a run
+
+
+SECTIONS: list[tuple[str, list[Refusal]]] = [
+    (
+        "Options and YAML",
+        [
+            Refusal(
+                "a mistyped flag", ("--lrr", "0.1"), "unrecognized arguments: --lrr (did you mean --lr?)"
+            ),
+            Refusal(
+                "a mistyped YAML key",
+                ("--config", "{tmp}/run.yaml"),
+                "--config {tmp}/run.yaml: unknown key 'stpes' (did you mean steps?)",
+                files=(("run.yaml", "stpes: 3\n"),),
+            ),
+            Refusal(
+                "a YAML value of the wrong type",
+                ("--config", "{tmp}/run.yaml"),
+                "--config {tmp}/run.yaml: steps must be int, got 'many'",
+                files=(("run.yaml", "steps: many\n"),),
+            ),
+            Refusal(
+                "YAML `steps: null`",
+                ("--config", "{tmp}/run.yaml"),
+                "--config {tmp}/run.yaml: steps must be int, got None",
+                files=(("run.yaml", "steps: null\n"),),
+            ),
+            Refusal(
+                "YAML `reward: 5`",
+                ("--config", "{tmp}/run.yaml"),
+                "--config {tmp}/run.yaml: reward must be a list of str, got [5]",
+                files=(("run.yaml", "reward: 5\n"),),
+            ),
+            Refusal(
+                "a YAML file that is not a mapping",
+                ("--config", "{tmp}/run.yaml"),
+                "--config {tmp}/run.yaml: expected a mapping of option names, got list",
+                files=(("run.yaml", "- steps\n"),),
+            ),
+            Refusal(
+                "a missing YAML file", ("--config", "{tmp}/run.yaml"), "--config {tmp}/run.yaml: no such file"
+            ),
+            Refusal(
+                "a value outside its choices",
+                ("--on-timeout", "later"),
+                "--on-timeout: invalid choice: 'later' (choose from 'zero', 'drop')",
+            ),
+            Refusal(
+                "--resume with an unknown value",
+                ("--resume", "maybe"),
+                "--resume must be one of no, yes, auto, got 'maybe'",
+            ),
+        ],
+    ),
+    (
+        "Numbers",
+        [
+            Refusal("a learning rate <= 0", ("--lr=-1",), "--lr must be > 0, got -1.0"),
+            Refusal("`--lr inf`", ("--lr", "inf"), "--lr must be a finite number, got inf"),
+            Refusal("`--beta inf`", ("--beta", "inf"), "--beta must be a finite number, got inf"),
+            Refusal(
+                "`--temperature inf`",
+                ("--temperature", "inf"),
+                "--temperature must be a finite number, got inf",
+            ),
+            Refusal(
+                "`--reward-weights nan`",
+                ("--reward-weights", "nan"),
+                "--reward-weights must be finite numbers, got [nan]",
+            ),
+            Refusal("a clip range outside (0, 1)", ("--epsilon=2",), "--epsilon must be in (0, 1), got 2.0"),
+            Refusal(
+                "a step time limit <= 0",
+                ("--step-timeout-s", "0"),
+                "--step-timeout-s must be a number of seconds > 0 or None, got 0.0",
+            ),
+            Refusal(
+                "groups that do not fill the batch",
+                ("--batch-size", "10", "--num-generations", "4"),
+                "--num-generations 4 does not fit --batch-size 10: the batch must hold whole groups "
+                "(a positive multiple of num_generations)",
+            ),
+            Refusal(
+                "a batch that cannot fit in memory",
+                ("--batch-size", "4000000000000000"),
+                "--batch-size 4000000000000000: 4,000,000,000,000,000 trajectories per rank per step on 1 "
+                "rank(s) need at least 1,907,348,632.8 GiB, more than this machine's … of memory",
+            ),
+            Refusal(
+                "an evaluation that cannot fit in memory",
+                ("--eval-size", "4000000000000000"),
+                "--eval-size 4000000000000000: 4,000,000,000,000,000 held-out trajectories per rank on 1 "
+                "rank(s) need at least 1,907,348,632.8 GiB, more than this machine's … of memory",
+            ),
+        ],
+    ),
+    (
+        "Parallel layout and model",
+        [
+            Refusal(
+                "a TP size that does not divide the world",
+                ("--tp", "2"),
+                "--tp 2 does not divide the world size 3",
+                env=(("WORLD_SIZE", "3"),),
+            ),
+            Refusal(
+                "a TP size that does not divide the heads",
+                ("--tp", "4"),
+                "--tp 4 does not divide num_key_value_heads=2 of the model in …",
+                env=(("WORLD_SIZE", "4"),),
+            ),
+            Refusal(
+                "pipeline parallelism",
+                ("--pp", "2"),
+                "--pp 2: pipeline parallelism is not supported yet (docs/parallelism.md says how it would "
+                "fit); use --pp 1",
+            ),
+            Refusal(
+                "`--model` without config.json",
+                ("--model", "{tmp}/nope"),
+                "--model {tmp}/nope: not an HF checkpoint folder (no config.json)",
+            ),
+            Refusal(
+                "`--model` whose config.json is `{}`",
+                ("--model", "{tmp}/D"),
+                "--model {tmp}/D: {tmp}/D/config.json has no model_type (not a transformers model config)",
+                files=(("D/config.json", "{}"),),
+            ),
+            Refusal(
+                "`--model` whose config.json is not JSON",
+                ("--model", "{tmp}/D"),
+                "--model {tmp}/D: {tmp}/D/config.json is not valid JSON "
+                "(Expecting value: line 1 column 1 (char 0))",
+                files=(("D/config.json", "not json"),),
+            ),
+            Refusal(
+                "`--model` whose config.json lacks a size",
+                ("--model", "{tmp}/D"),
+                "--model {tmp}/D: {tmp}/D/config.json: num_attention_heads must be a positive integer, "
+                "got None",
+                files=(("D/config.json", '{"model_type": "qwen2"}'),),
+            ),
+            Refusal(
+                "a megatron checkpoint for --backend deepspeed",
+                ("--model", "{tmp}/M", "--backend", "deepspeed"),
+                "--model {tmp}/M: a sharded megatron checkpoint; --backend deepspeed needs an HF folder "
+                "(convert it: launch/convert.py --megatron IN --hf OUT)",
+                files=(("M/config.json", "{}"), ("M/megatron.json", "{}")),
+            ),
+            Refusal(
+                "a megatron checkpoint as --model whose metadata carries a pickle payload",
+                ("--model", "{tmp}/model"),
+                "--model {tmp}/model: refused, {tmp}/model/weights/.metadata would call posix.system when "
+                "read (DCP metadata holds data classes only)",
+                tested_by="tests/test_checkpoint_safety.py::test_a_megatron_checkpoint_as_model_carrying_a_payload_is_refused",
+            ),
+            Refusal(
+                "--bf16 with --backend deepspeed",
+                ("--backend", "deepspeed", "--bf16", "true"),
+                "--bf16 is for the megatron backend; --backend deepspeed computes in the model's own dtype "
+                "(drop --bf16)",
+            ),
+            Refusal(
+                "--tp with --backend deepspeed",
+                ("--backend", "deepspeed", "--tp", "2"),
+                "--tp 2: the deepspeed backend has no tensor parallelism (use --tp 1)",
+                env=(("WORLD_SIZE", "2"),),
+            ),
+            Refusal(
+                "--export-hf with --backend deepspeed",
+                ("--backend", "deepspeed", "--export-hf", "{tmp}/hf"),
+                "--export-hf is available with --backend megatron only",
+            ),
+            Refusal(
+                "--vllm-sleep without --engine vllm",
+                ("--vllm-sleep",),
+                "--vllm-sleep puts vLLM to sleep during training: it needs --engine vllm",
+            ),
+            Refusal(
+                "--engine vllm where vLLM does not import",
+                ("--engine", "vllm"),
+                "--engine vllm: vLLM does not import here (…); on a GPU install it with pip install -e "
+                '".[all,vllm]", on CPU run in the environment .ci/vllm_stage.sh builds',
+                tested_by="tests/test_train_bad_input.py::test_engine_vllm_without_vllm",
+            ),
+        ],
+    ),
+    (
+        "Task, rewards, dataset, tools",
+        [
+            Refusal(
+                "an unknown task",
+                ("--task", "chess"),
+                "--task 'chess' is not a known task; expected one of guess, duel, …",
+            ),
+            Refusal(
+                "a task option of the wrong value",
+                ("--task", "duel", "--task-args", '{"opponent": "mirror"}'),
+                "--task duel: task_args.opponent must be one of self, random, frozen, got 'mirror'",
+            ),
+            Refusal(
+                "a task option the task does not take",
+                ("--task", "guess", "--task-args", '{"opponent": "random"}'),
+                "--task guess: bad --task-args {'opponent': 'random'}: …",
+            ),
+            Refusal(
+                "--task-args that is not an object",
+                ("--task-args", "[1, 2]"),
+                "--task-args must be a JSON object, got '[1, 2]'",
+            ),
+            Refusal(
+                "a task module that does not import",
+                ("--task", "nosuchmodule:make"),
+                "--task: cannot import 'nosuchmodule' (No module named 'nosuchmodule'); is it on PYTHONPATH?",
+            ),
+            Refusal(
+                "a task factory that raises",
+                ("--task", "{tmp}/tasks.py:make"),
+                "--task {tmp}/tasks.py:make: the factory raised RuntimeError: boom",
+                files=(("tasks.py", FACTORY),),
+            ),
+            Refusal(
+                "a task factory that returns no task source",
+                ("--task", "{tmp}/tasks.py:not_a_task"),
+                "--task {tmp}/tasks.py:not_a_task: the factory returned int, expected an "
+                "interlens_mcore.tasks.TaskSource",
+                files=(("tasks.py", FACTORY),),
+            ),
+            Refusal(
+                "a reward function that does not exist",
+                ("--reward", "json:nope"),
+                "--reward 'json:nope': json has no 'nope' (it has: …)",
+            ),
+            Refusal(
+                "a reward that is not callable",
+                ("--reward", "json:__name__"),
+                "--reward json:__name__: str is not callable",
+            ),
+            Refusal(
+                "as many weights as reward functions, not",
+                ("--reward-weights", "1", "2"),
+                "--reward-weights has 2 values for 1 reward functions (env)",
+            ),
+            Refusal(
+                "no reward at all",
+                ("--no-env-reward",),
+                "--no-env-reward leaves no reward: add --reward MODULE:FN",
+            ),
+            Refusal(
+                "an empty dataset",
+                ("--dataset", "{tmp}/rows.jsonl"),
+                "dataset '{tmp}/rows.jsonl' is empty",
+                files=(("rows.jsonl", ""),),
+            ),
+            Refusal(
+                "bad JSON in a dataset",
+                ("--dataset", "{tmp}/rows.jsonl"),
+                "dataset '{tmp}/rows.jsonl' line 2: not JSON (Expecting property name enclosed in double "
+                "quotes at column 2)",
+                files=(("rows.jsonl", '{"prompt": "2 + 2?"}\n{bad\n'),),
+            ),
+            Refusal(
+                "a dataset that does not exist",
+                ("--dataset", "{tmp}/rows.jsonl"),
+                "dataset '{tmp}/rows.jsonl': no such file",
+            ),
+            Refusal(
+                "a dataset of an unknown format",
+                ("--dataset", "{tmp}/rows.txt"),
+                "dataset '{tmp}/rows.txt': expected a .jsonl, .json, .parquet, .csv file or a "
+                "save_to_disk folder",
+                files=(("rows.txt", "2 + 2?\n"),),
+            ),
+            Refusal(
+                "a tool that is not a function",
+                ("--tools", "json:__name__"),
+                "--tools json:__name__: a tool must be a function, got str",
+            ),
+            Refusal(
+                "a tool not named MODULE:FN",
+                ("--tools", "calculator"),
+                "--tools calculator: tool 'calculator': expected MODULE:FN "
+                "(e.g. interlens_mcore.tools.examples:calculator)",
+            ),
+        ],
+    ),
+    (
+        "The output folder",
+        [
+            Refusal(
+                "a folder holding another run",
+                ("--output-dir", "{tmp}/out"),
+                "--output-dir {tmp}/out: holds another run; pass --resume to continue it (or --resume with a "
+                "larger --steps to extend it), or choose an empty folder",
+                files=(("out/run.json", '{"steps": 1}'),),
+            ),
+            Refusal(
+                "a folder holding other files",
+                ("--output-dir", "{tmp}/out"),
+                "--output-dir {tmp}/out: holds files that are not a run of this trainer",
+                files=(("out/keep", "mine"),),
+            ),
+            Refusal(
+                "a file",
+                ("--output-dir", "{tmp}/out"),
+                "--output-dir {tmp}/out: exists and is not a folder",
+                files=(("out", "a file"),),
+            ),
+            Refusal(
+                "`--output-dir /proc/x`",
+                ("--output-dir", "/proc/x"),
+                "--output-dir /proc/x: /proc is on the kernel's proc filesystem (no files)",
+            ),
+            Refusal(
+                "--resume with options that change the run",
+                ("--output-dir", "{tmp}/run", "--lr", "0.1", "--resume"),
+                "--output-dir {tmp}/run: --resume with different options: lr (lr: 0.001 -> 0.1); start a new "
+                "run in another folder to change them",
+                tested_by="tests/test_train_resume.py::test_resume_with_changed_options_is_refused",
+            ),
+            Refusal(
+                "--resume into a folder another run is writing to",
+                ("--output-dir", "{tmp}/run", "--resume"),
+                "--output-dir {tmp}/run: another process is still writing to it (.lock is held)",
+                tested_by="tests/test_train_resume.py::test_a_refused_resume_touches_nothing_of_the_live_run",
+            ),
+            Refusal(
+                "--resume with checkpoints/ deleted",
+                ("--output-dir", "{tmp}/run", "--resume"),
+                "--resume: step-000002, the newest checkpoint this run wrote, is gone from "
+                "{tmp}/run/checkpoints; resuming would redo steps 0..1. Restore it, or train into a new "
+                "--output-dir",
+                tested_by="tests/test_train_resume.py::test_resume_with_its_checkpoints_deleted_is_refused",
+            ),
+            Refusal(
+                "--resume where every checkpoint is corrupt",
+                ("--output-dir", "{tmp}/run", "--resume"),
+                "no intact checkpoint in {tmp}/run/checkpoints to resume from; set aside as corrupt: "
+                "corrupt-step-000002. Delete them to train this run again from step 0 with --resume, or "
+                "train into a new --output-dir",
+                tested_by="tests/test_checkpoint_integrity.py::test_resume_refuses_when_every_checkpoint_is_corrupt",
+            ),
+            Refusal(
+                "--resume from a checkpoint carrying a pickle payload",
+                ("--output-dir", "{tmp}/run", "--resume"),
+                "checkpoint {tmp}/run/checkpoints/step-000002 is refused: trainer-rank00000.pt is a pickle "
+                "that would call posix.system when loaded; nothing of it was loaded. Resume only from "
+                "checkpoints this version wrote, or train into a new --output-dir (a checkpoint's weights "
+                "load as --model)",
+                tested_by="tests/test_checkpoint_safety.py::test_resume_refuses_a_checkpoint_carrying_a_payload",
+            ),
+        ],
+    ),
+]
+
+HEADER = """# Bad input
+
+`launch/train_grpo.py` refuses each input below with one line on stderr,
+`train_grpo.py: error: MESSAGE`, and exit code 2, before it writes anything (the refusals of
+`--resume` come once the process group is up and write nothing either; checking the checkpoints
+may have renamed a corrupt one `corrupt-step-NNNNNN`, and says so on a line of its own). Under
+`torchrun` the agent adds its own report and exits 1 whatever the workers' code; run the same
+command through `python launch/run.py` (torchrun's options, torchrun's agent) to keep the one
+line and exit code 2, and a restart by `--max-restarts` of a refused run is refused again.
+
+`…` stands for text that depends on the machine. Generated from `tests/support/bad_inputs.py`
+(`python tests/support/bad_inputs.py > docs/bad-input.md`); `tests/e2e/test_bad_input_table.py` runs every
+row (or the test it names) and checks this file against the table.
+"""
+
+
+def _cell(text: str) -> str:
+    return text.replace("{tmp}/", "").replace("|", "\\|")
+
+
+def _file(text: str) -> str:
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    shown = first + (" …" if text.strip() != first else "")
+    return f"`{shown}`" if shown else "(empty)"
+
+
+def render() -> str:
+    out = [HEADER]
+    for title, rows in SECTIONS:
+        out += [f"\n## {title}\n", "| input | command line | files | message |", "| --- | --- | --- | --- |"]
+        for r in rows:
+            line = " ".join(a if " " not in a else f"'{a}'" for a in r.args)
+            env = " ".join(f"{k}={v}" for k, v in r.env)
+            shown = f"{env} {line}".strip()
+            files = "; ".join(f"`{name}`: {_file(text)}" for name, text in r.files)
+            out.append(f"| {_cell(r.what)} | `{_cell(shown)}` | {_cell(files)} | {_cell(r.message)} |")
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    print(render(), end="")
