@@ -178,7 +178,7 @@ SECTIONS: list[tuple[str, list[Refusal]]] = [
                 ("--model", "{tmp}/model"),
                 "--model {tmp}/model: refused, {tmp}/model/weights/.metadata would call posix.system when "
                 "read (DCP metadata holds data classes only)",
-                tested_by="tests/test_checkpoint_safety.py::test_a_megatron_checkpoint_as_model_carrying_a_payload_is_refused",
+                tested_by="tests/e2e/test_checkpoint_safety.py::test_a_megatron_checkpoint_as_model_carrying_a_payload_is_refused",
             ),
             Refusal(
                 "--bf16 with --backend deepspeed",
@@ -207,7 +207,7 @@ SECTIONS: list[tuple[str, list[Refusal]]] = [
                 ("--engine", "vllm"),
                 "--engine vllm: vLLM does not import here (…); on a GPU install it with pip install -e "
                 '".[all,vllm]", on CPU run in the environment .ci/vllm_stage.sh builds',
-                tested_by="tests/test_train_bad_input.py::test_engine_vllm_without_vllm",
+                tested_by="tests/e2e/test_train_bad_input.py::test_engine_vllm_without_vllm",
             ),
         ],
     ),
@@ -342,13 +342,13 @@ SECTIONS: list[tuple[str, list[Refusal]]] = [
                 ("--output-dir", "{tmp}/run", "--lr", "0.1", "--resume"),
                 "--output-dir {tmp}/run: --resume with different options: lr (lr: 0.001 -> 0.1); start a new "
                 "run in another folder to change them",
-                tested_by="tests/test_train_resume.py::test_resume_with_changed_options_is_refused",
+                tested_by="tests/e2e/test_train_resume.py::test_resume_with_changed_options_is_refused",
             ),
             Refusal(
                 "--resume into a folder another run is writing to",
                 ("--output-dir", "{tmp}/run", "--resume"),
                 "--output-dir {tmp}/run: another process is still writing to it (.lock is held)",
-                tested_by="tests/test_train_resume.py::test_a_refused_resume_touches_nothing_of_the_live_run",
+                tested_by="tests/e2e/test_train_resume.py::test_a_refused_resume_touches_nothing_of_the_live_run",
             ),
             Refusal(
                 "--resume with checkpoints/ deleted",
@@ -356,7 +356,7 @@ SECTIONS: list[tuple[str, list[Refusal]]] = [
                 "--resume: step-000002, the newest checkpoint this run wrote, is gone from "
                 "{tmp}/run/checkpoints; resuming would redo steps 0..1. Restore it, or train into a new "
                 "--output-dir",
-                tested_by="tests/test_train_resume.py::test_resume_with_its_checkpoints_deleted_is_refused",
+                tested_by="tests/e2e/test_train_resume.py::test_resume_with_its_checkpoints_deleted_is_refused",
             ),
             Refusal(
                 "--resume where every checkpoint is corrupt",
@@ -364,7 +364,7 @@ SECTIONS: list[tuple[str, list[Refusal]]] = [
                 "no intact checkpoint in {tmp}/run/checkpoints to resume from; set aside as corrupt: "
                 "corrupt-step-000002. Delete them to train this run again from step 0 with --resume, or "
                 "train into a new --output-dir",
-                tested_by="tests/test_checkpoint_integrity.py::test_resume_refuses_when_every_checkpoint_is_corrupt",
+                tested_by="tests/e2e/test_checkpoint_integrity.py::test_resume_refuses_when_every_checkpoint_is_corrupt",
             ),
             Refusal(
                 "--resume from a checkpoint carrying a pickle payload",
@@ -373,7 +373,7 @@ SECTIONS: list[tuple[str, list[Refusal]]] = [
                 "that would call posix.system when loaded; nothing of it was loaded. Resume only from "
                 "checkpoints this version wrote, or train into a new --output-dir (a checkpoint's weights "
                 "load as --model)",
-                tested_by="tests/test_checkpoint_safety.py::test_resume_refuses_a_checkpoint_carrying_a_payload",
+                tested_by="tests/e2e/test_checkpoint_safety.py::test_resume_refuses_a_checkpoint_carrying_a_payload",
             ),
         ],
     ),
