@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         if (out / OUT_FILE).exists():
             raise UsageError(f"--output-dir {out}: already holds {OUT_FILE}")
         folder = checkpoint_folder(script.checkpoint) if script.checkpoint else None
-        source = check(args)
+        args, source = check(args)
     except UsageError as exc:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"rollout.py: error: {exc}", file=sys.stderr)

@@ -23,6 +23,7 @@ import sys
 
 from interlens_mcore import distributed
 from interlens_mcore.cli import (
+    defaults,
     quiet,  # noqa: F401  (before megatron / DeepSpeed are imported)
     refusal,
 )
@@ -59,7 +60,7 @@ def _main(argv: list[str] | None) -> int:
         args = parse(argv, description=__doc__.splitlines()[0])
         if args.trainer.save_on_signal:
             preemption.hold()  # a signal during start-up stops the run at its first step boundary
-        source = check(args)  # every check that needs no process group
+        args, source = check(args)  # every check that needs no process group
         # decided before any rank can write run.json (that waits for the process group), so
         # every rank of a restarted or a fresh `--resume auto` run decides alike
         resume = args.launch.resuming(args.trainer.output_dir)
@@ -74,6 +75,7 @@ def _main(argv: list[str] | None) -> int:
         try:
             start = trainer.resume() if resume else 0  # a refusal here is the run's only line
             if distributed.rank() == 0:
+                print(defaults.describe(args), file=sys.stderr)  # what is not a plain default, and why
                 print(f"config: {trainer.run_info}", file=sys.stderr)
                 if start:
                     print(f"resuming at step {start} of {args.trainer.steps}", file=sys.stderr)

@@ -121,8 +121,9 @@ class BackendConfig:
     model: str | None = field(
         default=None,
         metadata={
-            "help": "HF folder or sharded megatron checkpoint, or smollm2 (SmolLM2-135M-Instruct); "
-            "default: the tiny Qwen2 model after a short supervised phase on guess-a-number"
+            "help": "HF folder or sharded megatron checkpoint, smollm2 (SmolLM2-135M-Instruct), or tiny "
+            "(the tiny Qwen2 model after a short supervised phase on guess-a-number); default: the "
+            "task's (smollm2 for reasoning_gym, gym and textarena), else tiny"
         },
     )
     tp: int = field(default=1, metadata={"help": "tensor-parallel size (megatron); may change on --resume"})

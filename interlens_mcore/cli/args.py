@@ -129,6 +129,8 @@ class Args:
     rollout: RolloutConfig
     loss: LossConfig
     extra: tuple = ()  # the script's own sections, in the order it passed them
+    # option name -> "YAML" or "command line" for each option the user set (the rest: defaults)
+    origins: dict[str, str] = field(default_factory=dict)
 
 
 def flag(name: str) -> str:
@@ -206,8 +208,11 @@ def parse(argv: list[str] | None, description: str, extra: tuple = ()) -> Args:
     argv = _merge_repeated(list(sys.argv[1:] if argv is None else argv))
     p = parser(description, extra)
     config_path = _config_path(argv)
+    origins: dict[str, str] = {}
     if config_path is not None:
-        p.set_defaults(**read_yaml(Path(config_path), (*SECTIONS, *extra)))
+        from_yaml = read_yaml(Path(config_path), (*SECTIONS, *extra))
+        p.set_defaults(**from_yaml)
+        origins.update(dict.fromkeys(from_yaml, "YAML"))
     try:
         *sections, _extra = p.parse_args_into_dataclasses(args=argv, look_for_args_file=False)
     except UsageError:
@@ -218,9 +223,19 @@ def parse(argv: list[str] | None, description: str, extra: tuple = ()) -> Args:
             raise UsageError(_suggest("unrecognized arguments: " + text.split(":", 1)[1], p)) from None
         raise UsageError(flagify(text)) from None
     # mypy cannot count the sections of a starred slice: one per field of Args before `extra`
-    args = Args(*sections[: len(SECTIONS)], extra=tuple(sections[len(SECTIONS) :]))  # type: ignore[misc]
+    origins.update(dict.fromkeys(_given(argv, p), "command line"))
+    args = Args(  # type: ignore[misc]
+        *sections[: len(SECTIONS)], extra=tuple(sections[len(SECTIONS) :]), origins=origins
+    )
     check_finite(args)
     return args
+
+
+def _given(argv: list[str], p: argparse.ArgumentParser) -> list[str]:
+    """The option names (dataclass fields) `argv` sets, `--config` aside."""
+    actions = p._option_string_actions
+    flags = (a.split("=", 1)[0] for a in argv if a.startswith("--"))
+    return [actions[f].dest for f in flags if f in actions and actions[f].dest != "config"]
 
 
 def _config_path(argv: list[str]) -> str | None:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from interlens_mcore import distributed
-from interlens_mcore.cli import sizes
+from interlens_mcore.cli import defaults, sizes
 from interlens_mcore.cli.args import Args, UsageError, flagify
 from interlens_mcore.distributed.safe_load import UnsafeCheckpoint, check_dcp
 from interlens_mcore.grpo.rewards import environment_reward, reward_name
@@ -38,11 +38,18 @@ def model_folder(args: Args) -> Path:
             return ensure_smollm2()
         except AssetUnavailable as exc:
             raise UsageError(f"--model smollm2: {exc}") from None
-    return Path(args.backend.model) if args.backend.model is not None else ensure_default_policy()
+    if args.backend.model in (None, "tiny"):
+        return ensure_default_policy()
+    return Path(args.backend.model)
 
 
 def task_source(args: Args) -> TaskSource:
     """--task, or --dataset, or --multi-turn-scheduler over --dataset; --tools added to any of them."""
+    return add_tools(args, base_source(args))
+
+
+def base_source(args: Args) -> TaskSource:
+    """--task, or --dataset, or --multi-turn-scheduler over --dataset."""
     la = args.launch
     try:
         if la.multi_turn_scheduler is not None:
@@ -55,6 +62,12 @@ def task_source(args: Args) -> TaskSource:
             source = resolve_task(la.task, la.task_arguments)
     except ValueError as exc:
         raise UsageError(flagify(str(exc))) from None
+    return source
+
+
+def add_tools(args: Args, source: TaskSource) -> TaskSource:
+    """`source` with --tools offered to its policy seats (as it is without --tools)."""
+    la = args.launch
     if la.tools is not None:
         from interlens_mcore.tools import load_tools, with_tools
 
@@ -116,8 +129,22 @@ def reward_fns(args: Args) -> tuple[list[Any], list[float] | None]:
     return fns, weights
 
 
-def check(args: Args) -> TaskSource:
-    """Every check that needs no process group; returns the task source."""
+def with_task_defaults(args: Args) -> tuple[Args, TaskSource]:
+    """The task source without its tools, and `args` with the task's option defaults filled in."""
+    base = base_source(args)
+    if args.launch.multi_turn_scheduler is not None:
+        return args, base  # an ms-swift scheduler brings no options of ours
+    what = f"task {args.launch.task}" if args.launch.dataset is None else "a --dataset task"
+    args = defaults.apply(args, base.option_defaults(), what)
+    if args.launch.tools is not None:
+        args = defaults.apply(args, defaults.TOOL_DEFAULTS, "--tools")
+    return args, base
+
+
+def check(args: Args) -> tuple[Args, TaskSource]:
+    """Every check that needs no process group; returns the options with the task's defaults
+    filled in (`cli.defaults`) and the task source."""
+    args, base = with_task_defaults(args)
     b, t, r = args.backend, args.trainer, args.rollout
     try:
         distributed.check_layout(tp=b.tp, pp=b.pp, cp=b.cp, world=world_size())
@@ -128,16 +155,17 @@ def check(args: Args) -> TaskSource:
             f"--num-generations {r.num_generations} does not fit --batch-size {t.batch_size}: "
             "the batch must hold whole groups (a positive multiple of num_generations)"
         )
-    if b.model not in (None, "smollm2") and not (Path(b.model) / "config.json").is_file():
+    if b.model not in (None, "smollm2", "tiny") and not (Path(b.model) / "config.json").is_file():
         raise UsageError(f"--model {b.model}: not an HF checkpoint folder (no config.json)")
-    if b.model is not None and b.backend == "deepspeed" and (Path(b.model) / "megatron.json").is_file():
+    named = b.model in (None, "smollm2", "tiny")  # the assets: HF folders, built here
+    if not named and b.backend == "deepspeed" and (Path(str(b.model)) / "megatron.json").is_file():
         raise UsageError(
             f"--model {b.model}: a sharded megatron checkpoint; --backend deepspeed needs an HF folder "
             "(convert it: launch/convert.py --megatron IN --hf OUT)"
         )
     folder = model_folder(args)
     check_heads(model_config(folder, b.model), b.tp, str(folder))
-    if b.model is not None and (folder / "megatron.json").is_file():
+    if not named and (folder / "megatron.json").is_file():
         try:  # its weights are read through DCP, whose metadata is a pickle: checked first
             check_dcp(folder / "weights")
         except UnsafeCheckpoint as exc:
@@ -152,7 +180,7 @@ def check(args: Args) -> TaskSource:
             raise UsageError("--vllm-sleep: vLLM's sleep mode frees GPU memory and needs a GPU (none here)")
     if args.launch.export_hf is not None and b.backend != "megatron":
         raise UsageError("--export-hf is available with --backend megatron only")
-    source = task_source(args)
+    source = add_tools(args, base)
     reward_fns(args)
     sizes.check_sizes(args, source)
     if t.output_dir is not None:
@@ -163,7 +191,7 @@ def check(args: Args) -> TaskSource:
             )
         except rundir.RunDirError as exc:
             raise UsageError(str(exc)) from None
-    return source
+    return args, source
 
 
 def run_info(args: Args, source: TaskSource) -> dict[str, Any]:

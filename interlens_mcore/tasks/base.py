@@ -115,6 +115,14 @@ class TaskSource(ABC):
         """
         return trajectory.infos.get("success")
 
+    def option_defaults(self) -> dict[str, object]:
+        """Launch options this task runs best with, by option name (`max_new_tokens`, `model`...).
+
+        The launch scripts use them in place of the library's defaults; the user's YAML and
+        command line override them, and the script prints where each value came from.
+        """
+        return {}
+
     def describe(self) -> dict[str, Any]:
         """What `run.json` records of this source (its options)."""
         return {"name": self.name}

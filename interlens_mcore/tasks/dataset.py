@@ -221,6 +221,9 @@ class DatasetSource(TaskSource):
     def success_of(self, trajectory: Any) -> float | None:
         return float(trajectory.reward >= self.success_threshold)
 
+    def option_defaults(self) -> dict[str, object]:
+        return {"max_new_tokens": 64}  # a short answer; the model is the user's (--model)
+
     def describe(self) -> dict[str, Any]:
         return {
             "name": self.name,

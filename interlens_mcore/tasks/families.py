@@ -24,6 +24,20 @@ FAMILIES = {
 }
 
 
+# What the task families run with unless the user says otherwise: the tiny default model answers
+# only digits (it is warm-started on guess-a-number), so a task library's words, tags and moves
+# need a pretrained one; SmolLM2-135M-Instruct, sized for a CPU (the settings of
+# launch/configs/smollm2_basic_arithmetic.yaml, which learns). Each family adds its reply length.
+PRETRAINED_ON_CPU: dict[str, object] = {
+    "model": "smollm2",
+    "batch_size": 16,
+    "num_generations": 8,
+    "temperature": 0.7,
+    "lr": 1e-5,
+    "beta": 0.0,
+}
+
+
 def make_source(spec: str, **task_args: Any) -> TaskSource:
     """The task source `spec` ("FAMILY:NAME") names, built by its family's `source(NAME, **task_args)`."""
     family, sep, name = spec.partition(":")

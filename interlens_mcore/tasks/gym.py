@@ -31,6 +31,7 @@ from typing import Any
 from ..rollout.conversation import Conversation, Environment, Participant, Policy
 from ..types import Message
 from .base import TaskSource
+from .families import PRETRAINED_ON_CPU
 from .split import check_fraction, derive_seed, held_out
 
 
@@ -286,6 +287,9 @@ class GymSource(TaskSource):
 
     def eval_rows(self, n: int, *, seed: int) -> list[GymTask]:
         return self._draw(n, seed, evaluation=True)
+
+    def option_defaults(self) -> dict[str, object]:
+        return {**PRETRAINED_ON_CPU, "max_new_tokens": 16}  # `<action>south</action>` and a word or two
 
     def describe(self) -> dict[str, Any]:
         o = self.options

@@ -33,6 +33,7 @@ from typing import Any, Literal
 from ..rollout.conversation import Conversation, Environment, Participant, Policy
 from ..types import Message
 from .base import TaskSource
+from .families import PRETRAINED_ON_CPU
 from .split import check_fraction, derive_seed, held_out
 
 AnswerFallback = Literal["last_line", "last_number", "whole", "none"]
@@ -275,6 +276,10 @@ class ReasoningGymSource(TaskSource):
 
     def eval_rows(self, n: int, *, seed: int) -> list[ReasoningTask]:
         return self._draw(n, seed, evaluation=True)
+
+    def option_defaults(self) -> dict[str, object]:
+        # room for a short working and `<answer>...</answer>` (6 tokens cannot hold the tags)
+        return {**PRETRAINED_ON_CPU, "max_new_tokens": 48}
 
     def describe(self) -> dict[str, Any]:
         o = self.options

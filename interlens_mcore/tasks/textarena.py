@@ -42,6 +42,7 @@ from typing import Any, Literal
 from ..rollout.conversation import Conversation, Environment, Participant, Policy
 from ..types import Message
 from .base import TaskSource
+from .families import PRETRAINED_ON_CPU
 from .split import check_fraction, derive_seed, held_out
 
 SEATS = ("player_0", "player_1")
@@ -280,6 +281,9 @@ class TextArenaSource(TaskSource):
             for mine in SEATS
             for s in seeds
         ]
+
+    def option_defaults(self) -> dict[str, object]:
+        return {**PRETRAINED_ON_CPU, "max_new_tokens": 16}  # a move (`[col 4]`) and a word or two
 
     def describe(self) -> dict[str, Any]:
         return {
