@@ -119,6 +119,9 @@ class ToolTaskSource(TaskSource):
     def success_of(self, trajectory: Any) -> float | None:
         return self.source.success_of(trajectory)
 
+    def dataset_of(self, row: Any) -> str | None:
+        return self.source.dataset_of(row.inner)
+
     def eval_rows(self, n: int, *, seed: int) -> list[ToolTask]:
         return self._wrap(self.source.eval_rows(n, seed=seed))
 
