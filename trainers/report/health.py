@@ -43,8 +43,8 @@ def _zero_std(v: float, _: int) -> str:
 def _truncated(v: float, _: int) -> str:
     return (
         f"{v:.0%} of samples outgrew the model's context (truncated_fraction) and could not finish; "
-        "shorten the episodes (--max-turns, or the task's own limit through --task-arg), lower "
-        "--max-new-tokens, or use a model with a longer context (--model)"
+        "shorten the episodes (the task's own limit, e.g. --task-arg max_steps=8; --max-turns with a "
+        "scheduler), lower --max-new-tokens, or use a model with a longer context (--model)"
     )
 
 

@@ -30,9 +30,9 @@ def _mean(values: list[float]) -> float | None:
 def rollout_figures(
     rollout: Rollout,
     components: dict[str, list[float]],
-    group: Any = None,
+    group: object = None,
     *,
-    dataset_of: Callable[[Any], str | None] | None = None,
+    dataset_of: Callable[[object], str | None] | None = None,
 ) -> dict[str, Any]:
     """Rewards (total, per reward function, per seat, per dataset), success, turns, timeouts,
     completion lengths, zero-variance groups, invalid moves and tool calls over `group`.
