@@ -4,7 +4,6 @@ of launch/train_grpo.py; and the health check's warning, once, on a run that can
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from support.launch import ROOT, SMALL, all_records, metrics, python, torchrun
 
@@ -104,7 +103,3 @@ def test_a_run_that_cuts_every_reply_warns_once_with_the_flag(tmp_path):
         in warnings[0]
     )
     assert "step 2" in warnings[0]
-
-
-def test_the_documented_tables_name_files_that_exist():
-    assert all(Path(p).is_file() for p in DOCS) and documented_keys()

@@ -3,7 +3,7 @@
 Each `Rule` reads one figure of the step's record. `HealthCheck.check(record)` returns the
 `health/<rule>` figures (for how many steps in a row the rule's condition has held; 0 when it
 does not) and, when a condition has held for `patience` steps in a row, one warning line for
-it, repeated only after the condition cleared and came back::
+it, repeated only after the condition cleared and came back (a resumed run counts afresh)::
 
     check = HealthCheck(max_new_tokens=6)
     figures, warnings = check.check(record)   # {"health/clipped_replies": 3, ...}, ["..."]
