@@ -115,7 +115,7 @@ class TaskSource(ABC):
         """
         return trajectory.infos.get("success")
 
-    def dataset_of(self, row: Any) -> str | None:
+    def dataset_of(self, row: object) -> str | None:
         """The dataset of a mix that `row` came from, for the per-dataset reward (None: not a mix)."""
         return None
 

@@ -128,3 +128,18 @@ def test_the_loss_metrics_keep_their_is_names():
     )
     assert {"is/kl_k3", "is/weight_mean", "is/weight/max", "kl"} <= set(out)
     assert not any(k.startswith("is_") for k in out)
+
+
+def test_the_rows_of_a_reasoning_gym_mix_name_their_dataset_through_tools_too():
+    from interlens_mcore.tasks.reasoning_gym import source
+    from interlens_mcore.tools import with_tools
+    from interlens_mcore.tools.examples import calculator
+
+    mix = source("chain_sum+leg_counting")
+    rows = mix.rows(16, seed=0)
+    names = [mix.dataset_of(r) for r in rows]
+    assert set(names) == {"chain_sum", "leg_counting"}  # 16 draws of an even mix hold both
+    tooled = with_tools(mix, [calculator], isolation="thread")
+    assert [tooled.dataset_of(r) for r in tooled.rows(16, seed=0)] == names
+    single = source("chain_sum")
+    assert single.dataset_of(single.rows(1, seed=0)[0]) is None  # one dataset: no per-dataset figure
