@@ -276,6 +276,11 @@ class ReasoningGymSource(TaskSource):
     def eval_rows(self, n: int, *, seed: int) -> list[ReasoningTask]:
         return self._draw(n, seed, evaluation=True)
 
+    def dataset_of(self, row: object) -> str | None:
+        assert isinstance(row, ReasoningTask), "this source's rows are ReasoningTasks"
+        # reasoning-gym's composite dataset names each entry's source dataset
+        return row.entry["metadata"]["source_dataset"] if len(self.names) > 1 else None
+
     def describe(self) -> dict[str, Any]:
         o = self.options
         return {
