@@ -46,6 +46,7 @@ from . import preemption, rundir, state
 from .backends.base import Backend
 from .config import TrainerConfig
 from .report import record
+from .report.health import HealthCheck
 from .report.reporter import Reporter
 from .update import update
 
@@ -130,6 +131,7 @@ class GRPOTrainer:
         self.step, self.skipped_steps, self.resumed = 0, 0, False
         self.claim: state.FolderClaim | None = None  # the output folder, once taken
         self.stop = preemption.StopRequest(config.save_on_signal)  # SIGTERM / SIGINT: save and stop
+        self.health = HealthCheck(max_new_tokens=self.rollout_config.max_new_tokens)
         # a failure on any rank reaches every rank of the world as its named cause, at once; the
         # check waits as long as any collective may (a rank that failed early waits there)
         timeout = world_check_timeout_s if world_check_timeout_s is not None else config.collective_timeout_s
@@ -190,7 +192,11 @@ class GRPOTrainer:
         evaluated = self.evaluation() if cfg.eval_every and self.step % cfg.eval_every == 0 else {}
         rec, rollout = self.train_step()
         rec = record.json_ready({**rec, **evaluated})
+        health, warnings = self.health.check(rec)
+        rec.update(health)
         report.log(rec)
+        for line in warnings:
+            report.warn(line)
         if cfg.log_completions_every and self.step % cfg.log_completions_every == 0:
             report.completions(self.step, self.together("completions", self.completions, rollout))
         self.step += 1
@@ -238,8 +244,10 @@ class GRPOTrainer:
         t2 = time.perf_counter()
         rec = {
             "step": self.step,
-            **record.rollout_figures(shared, components, self.groups.dp),
+            # over the world, each rank its own samples: under TP `shared` holds its group's union
+            **record.rollout_figures(rollout, components, None, dataset_of=self.tasks.dataset_of),
             **record.train_figures(metrics, skipped_steps=self.skipped_steps),
+            "learning_rate": self.config.lr,  # the optimizers run at a constant rate
             "rollout_s": round(t1 - t0, 3),
             "train_s": round(t2 - t1, 3),
             "weight_sync_s": round(sync_s, 4),

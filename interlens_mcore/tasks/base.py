@@ -123,6 +123,10 @@ class TaskSource(ABC):
         """
         return {}
 
+    def dataset_of(self, row: object) -> str | None:
+        """The dataset of a mix that `row` came from, for the per-dataset reward (None: not a mix)."""
+        return None
+
     def describe(self) -> dict[str, Any]:
         """What `run.json` records of this source (its options)."""
         return {"name": self.name}

@@ -281,6 +281,11 @@ class ReasoningGymSource(TaskSource):
         # room for a short working and `<answer>...</answer>` (6 tokens cannot hold the tags)
         return {**PRETRAINED_ON_CPU, "max_new_tokens": 48}
 
+    def dataset_of(self, row: object) -> str | None:
+        assert isinstance(row, ReasoningTask), "this source's rows are ReasoningTasks"
+        # reasoning-gym's composite dataset names each entry's source dataset
+        return row.entry["metadata"]["source_dataset"] if len(self.names) > 1 else None
+
     def describe(self) -> dict[str, Any]:
         o = self.options
         return {

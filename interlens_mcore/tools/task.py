@@ -119,6 +119,10 @@ class ToolTaskSource(TaskSource):
     def success_of(self, trajectory: Any) -> float | None:
         return self.source.success_of(trajectory)
 
+    def dataset_of(self, row: object) -> str | None:
+        assert isinstance(row, ToolTask), "this source's rows are ToolTasks"
+        return self.source.dataset_of(row.inner)
+
     def eval_rows(self, n: int, *, seed: int) -> list[ToolTask]:
         return self._wrap(self.source.eval_rows(n, seed=seed))
 

@@ -135,8 +135,8 @@ def test_one_deepspeed_training_step(smollm2_path, tmp_path):
     res = torchrun(*args, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     (row,) = metrics(out)
-    assert row["tokens"] > 0 and row["is_sample_fraction"] == 1.0
-    assert row["is_weight_mean"] == pytest.approx(1.0, abs=0.05)  # the engine and the trainer agree
+    assert row["tokens"] > 0 and row["is/sample_fraction"] == 1.0
+    assert row["is/weight_mean"] == pytest.approx(1.0, abs=0.05)  # the engine and the trainer agree
 
 
 def test_tp2_is_refused_with_the_head_counts(smollm2_path):

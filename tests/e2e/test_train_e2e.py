@@ -7,7 +7,7 @@ import math
 import pytest
 from support.launch import SMALL, metrics, torchrun
 
-KEYS = {"step", "reward_mean", "reward_std", "loss", "kl", "is_sample_fraction", "is_weight_mean", "tokens"}
+KEYS = {"step", "reward_mean", "reward_std", "loss", "kl", "is/sample_fraction", "is/weight_mean", "tokens"}
 KEYS |= {"rollout_s", "train_s"}
 
 
@@ -19,7 +19,7 @@ def _check_run(out, steps: int) -> list[dict]:
         assert 0.0 <= r["reward_mean"] <= 1.0
         assert math.isfinite(r["loss"]) and r["tokens"] > 0
         # every sample's rollout logprobs are complete, so IS correction covers all of them
-        assert r["is_sample_fraction"] == 1.0
+        assert r["is/sample_fraction"] == 1.0
     assert (out / "reward.png").stat().st_size > 0
     assert (out / "completions.jsonl").is_file() and (out / "run.json").is_file()
     assert (out / "checkpoints" / f"step-{steps:06d}" / "meta.json").is_file()
@@ -32,7 +32,7 @@ def test_megatron_dp2_micro_batches(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     rows = _check_run(out, 3)
     # the model on rank 0 generates with its updated weights: train and rollout policies agree
-    assert all(r["is_weight_mean"] == pytest.approx(1.0, abs=1e-3) for r in rows)
+    assert all(r["is/weight_mean"] == pytest.approx(1.0, abs=1e-3) for r in rows)
 
 
 def test_megatron_bf16_autocast(tmp_path):
@@ -42,7 +42,7 @@ def test_megatron_bf16_autocast(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     rows = _check_run(out, 2)
     # both forwards round the same way, so rollout and training logprobs agree closely
-    assert all(r["is_weight_mean"] == pytest.approx(1.0, abs=0.02) for r in rows)
+    assert all(r["is/weight_mean"] == pytest.approx(1.0, abs=0.02) for r in rows)
     assert rows[-1]["grad_norm"] > 0
 
 

@@ -8,10 +8,12 @@ import json
 import pytest
 from support.launch import SMALL, all_records, metrics, torchrun
 
+# `--model tiny`: the families bring SmolLM2 by default (cli/defaults.py); these runs check
+# the plumbing of each library, quickly, on the tiny policy
 TASKS = [
-    ["--task", "reasoning_gym:basic_arithmetic"],
-    ["--task", "gym:FrozenLake-v1", "--task-args", '{"max_steps": 3}'],
-    ["--task", "textarena:TicTacToe-v0", "--task-args", '{"max_moves": 3}'],  # self-play, two seats
+    ["--task", "reasoning_gym:basic_arithmetic", "--model", "tiny"],
+    ["--task", "gym:FrozenLake-v1", "--task-args", '{"max_steps": 3}', "--model", "tiny"],
+    ["--task", "textarena:TicTacToe-v0", "--task-args", '{"max_moves": 3}', "--model", "tiny"],  # self-play
 ]
 
 
@@ -29,6 +31,8 @@ def test_task_library_trains(tmp_path, args):
     out = tmp_path / "run"
     res = torchrun(*args, "--steps", "3", "--output-dir", str(out), *SMALL, "--max-new-tokens", "8")
     assert res.returncode == 0, res.stderr[-3000:]
+    # the family's own options, where the command line left them: each named with its origin
+    assert f"--lr 1e-05 (task {args[1]})" in res.stderr and "--model tiny (command line)" in res.stderr
     rows = _check(out)
     if "textarena" in args[1]:  # both seats train, each its own mean
         assert all("reward_mean/player_0" in r and "reward_mean/player_1" in r for r in rows)

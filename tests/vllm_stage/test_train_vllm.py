@@ -32,15 +32,15 @@ def test_three_steps_generated_by_vllm(tmp_path, backend):
     res = torchrun(*args, *BACKENDS[backend], "--eval-every", "0", timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = metrics(out)
-    print(backend, [{k: r[k] for k in ("step", "weight_sync_s", "is_weight_mean")} for r in rows])
+    print(backend, [{k: r[k] for k in ("step", "weight_sync_s", "is/weight_mean")} for r in rows])
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows:
         assert r["weight_sync_s"] > 0  # every step's weights were handed to vLLM
         assert math.isfinite(r["loss"]) and r["tokens"] > 0
         # vLLM returned a logprob for every sampled token: IS correction covers every sample
-        assert r["is/complete_fraction"] == 1.0 and r["is_sample_fraction"] == 1.0
+        assert r["is/complete_fraction"] == 1.0 and r["is/sample_fraction"] == 1.0
         # and those logprobs are the trained model's own (float32 on both sides)
-        assert r["is_weight_mean"] == pytest.approx(1.0, abs=2e-3)
+        assert r["is/weight_mean"] == pytest.approx(1.0, abs=2e-3)
     assert any(r["grad_norm"] > 0 for r in rows)  # the weights did move between the steps
 
 
@@ -54,7 +54,7 @@ def test_resumed_run_generates_with_the_resumed_weights(tmp_path):
     last = metrics(out)[-1]
     assert last["step"] == 2
     # vLLM starts from the model folder's weights; loading the checkpoint syncs the trained ones
-    assert last["is_weight_mean"] == pytest.approx(1.0, abs=2e-3)
+    assert last["is/weight_mean"] == pytest.approx(1.0, abs=2e-3)
 
 
 def test_megatron_checkpoint_as_model(tmp_path):
@@ -87,6 +87,6 @@ def test_megatron_checkpoint_as_model(tmp_path):
         res = torchrun(*args, "--eval-every", "0", timeout=900)
         assert res.returncode == 0, res.stderr[-3000:]
         (row,) = metrics(out)
-        rows[name] = {k: row[k] for k in ("reward_mean", "tokens", "loss", "is_weight_mean", "is_kl_k3")}
+        rows[name] = {k: row[k] for k in ("reward_mean", "tokens", "loss", "is/weight_mean", "is/kl_k3")}
     assert rows["megatron"] == rows["hf"]
-    assert rows["hf"]["is_weight_mean"] == pytest.approx(1.0, abs=1e-2)
+    assert rows["hf"]["is/weight_mean"] == pytest.approx(1.0, abs=1e-2)

@@ -1,48 +1,55 @@
-"""The figures of one step: rewards over the DP group, loss and IS metrics, rollout diagnostics.
+"""The figures of one step: rewards over the world, loss and IS metrics, rollout diagnostics.
 
-Everything here is collective over the DP group (one `all_gather_object`), so every rank calls
-it in the same order; rank 0 writes the result.
+The rollout and evaluation figures are collective (one `all_gather_object` each, over every
+rank's own samples), so every rank calls them in the same order; rank 0 writes the result.
+Each sample is read through `samples.facts_of`.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from interlens_mcore import distributed
 from interlens_mcore.rollout.rollouter import Rollout
+from interlens_mcore.types import Status
 
-# loss metric -> metrics.jsonl key (the loss module's names are kept as they are for the rest)
-RENAMED = {
-    "kl/ref": "kl",
-    "is/kl_k3": "is_kl_k3",
-    "is/sample_fraction": "is_sample_fraction",
-    "is/weight_mean": "is_weight_mean",
-    "is/weight/max": "is_weight_max",
-    "clip/fraction": "clip_fraction",
-}
+from .samples import facts_of, sample_figures
+
+# loss metric -> metrics.jsonl key (the loss module's names, `is/...` among them, are kept for the rest)
+RENAMED = {"kl/ref": "kl", "clip/fraction": "clip_fraction"}
 
 
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def rollout_figures(rollout: Rollout, components: dict[str, list[float]], group: Any) -> dict[str, Any]:
-    """Rewards (total, per reward function, per seat), success, turns and timeouts over `group`."""
-    trajectories = rollout.trajectories
-    mine = {
-        "reward": rollout.scored_rewards(),
-        "components": components,
-        "seats": rollout.seat_rewards(),
-        "success": [t.infos["success"] for t in trajectories if t.infos.get("success") is not None],
-        "turns": [t.infos.get("turns", 0) for t in trajectories],
-        "timeouts": rollout.timeouts,
-        "truncated": rollout.truncated,
-    }
-    parts = distributed.all_gather_object(mine, group=group)
-    rewards = torch.tensor([r for p in parts for r in p["reward"]])
+def rollout_figures(
+    rollout: Rollout,
+    components: dict[str, list[float]],
+    group: object = None,
+    *,
+    dataset_of: Callable[[object], str | None] | None = None,
+) -> dict[str, Any]:
+    """Rewards (total, per reward function, per seat, per dataset), success, turns, timeouts,
+    completion lengths, zero-variance groups, invalid moves and tool calls over `group`.
+
+    Collective over `group` (default: the world), each rank passing its own rollout (before any
+    sharing over TP), so every sample and every advantage group counts once. `dataset_of`: the
+    task source's, naming each row's dataset of a mix.
+    """
+    rows = rollout.rows if dataset_of is not None else [None] * len(rollout.trajectories)
+    facts = [
+        facts_of(t, reward, dataset_of(row) if dataset_of is not None else None)
+        # scored_rewards: a ValueError names a sample left unscored
+        for t, reward, row in zip(rollout.trajectories, rollout.scored_rewards(), rows, strict=True)
+    ]
+    parts = distributed.all_gather_object({"facts": facts, "components": components}, group=group)
+    every = [f for p in parts for f in p["facts"]]
+    rewards = torch.tensor([f.reward for f in every])
     out: dict[str, Any] = {
         "reward_mean": float(rewards.mean()) if rewards.numel() else None,
         "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
@@ -53,18 +60,17 @@ def rollout_figures(rollout: Rollout, components: dict[str, list[float]], group:
             {f"reward/{n}": _mean([v for p in parts for v in p["components"].get(n, [])]) for n in names}
         )
     seats: dict[str, list[float]] = {}
-    for p in parts:
-        for seat, values in p["seats"].items():
-            seats.setdefault(seat, []).extend(values)
+    for f in every:
+        seats.setdefault(f.seat, []).append(f.reward)
     if len(seats) > 1:  # several trained seats: each seat's own mean
         out.update({f"reward_mean/{k}": _mean(v) for k, v in sorted(seats.items())})
-    success = [s for p in parts for s in p["success"]]
+    success = [f.success for f in every if f.success is not None]
     if success:
         out["success_rate"] = _mean(success)
-    turns = [n for p in parts for n in p["turns"]]
-    out["turns_mean"] = _mean(turns) or 0.0
-    out["timeouts"] = sum(p["timeouts"] for p in parts)  # samples a step time limit ended
-    out["truncated"] = sum(p["truncated"] for p in parts)  # samples that outgrew the context
+    out["turns_mean"] = _mean([f.turns for f in every]) or 0.0
+    out["timeouts"] = sum(f.status is Status.TIMEOUT for f in every)  # samples a step time limit ended
+    out["truncated"] = sum(f.status is Status.TRUNCATED for f in every)  # samples that outgrew the context
+    out.update(sample_figures([p["facts"] for p in parts]))
     return out
 
 
@@ -85,13 +91,13 @@ def evaluation_figures(rollout: Rollout) -> dict[str, float]:
     """
     mine: dict[str, list[float]] = {}
     for t, reward in zip(rollout.trajectories, rollout.scored_rewards(), strict=True):
+        f = facts_of(t, reward)
         mine.setdefault("reward", []).append(reward)
-        mine.setdefault(f"reward/{t.participant}", []).append(reward)
-        if t.infos.get("success") is not None:
-            mine.setdefault("success_rate", []).append(float(t.infos["success"]))
-            outcome = t.infos.get("outcome")
-            if isinstance(outcome, dict) and t.participant in outcome:
-                mine.setdefault(f"win_rate/{t.participant}", []).append(float(outcome[t.participant]))
+        mine.setdefault(f"reward/{f.seat}", []).append(reward)
+        if f.success is not None:
+            mine.setdefault("success_rate", []).append(f.success)
+            if f.win is not None:
+                mine.setdefault(f"win_rate/{f.seat}", []).append(f.win)
     merged: dict[str, list[float]] = {}
     for part in distributed.all_gather_object(mine):
         for key, values in part.items():

@@ -105,10 +105,15 @@ class Reporter:
         if self.wandb is not None:
             self.wandb.log(numbers, step=step)
         if "reward_mean" in record and self.bar is not None:
-            shown = {"reward": ("reward_mean", 3), "kl": ("kl", 4), "is_w": ("is_weight_mean", 3)}
+            shown = {"reward": ("reward_mean", 3), "kl": ("kl", 4), "is_w": ("is/weight_mean", 3)}
             shown.update({"eval": ("eval/success_rate", 2)} if "eval/success_rate" in record else {})
             self.bar.set_postfix({name: _fmt(record.get(k), d) for name, (k, d) in shown.items()})
             self.bar.update(1)
+
+    def warn(self, line: str) -> None:
+        """One line on stderr, above the progress bar (a health warning)."""
+        if self.bar is not None:  # set whenever enabled
+            self.bar.write(line, file=sys.stderr)
 
     def completions(self, step: int, samples: list[dict]) -> None:
         """Full trajectories of one step (text, reward, advantage, per-turn finish reasons)."""

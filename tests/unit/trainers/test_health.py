@@ -1,0 +1,85 @@
+"""The health check's rules: when each condition counts, when its one warning line comes, what it says."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainers.report.health import HealthCheck
+
+
+def _steps(check: HealthCheck, records: list[dict]) -> list[tuple[dict, list[str]]]:
+    return [check.check({"step": i, **r}) for i, r in enumerate(records)]
+
+
+def test_one_warning_after_three_steps_in_a_row_naming_the_flag():
+    check = HealthCheck(max_new_tokens=6)
+    out = _steps(check, [{"completions/clipped_ratio": 1.0}] * 5)
+    assert [f["health/clipped_replies"] for f, _ in out] == [1, 2, 3, 4, 5]
+    assert [len(w) for _, w in out] == [0, 0, 1, 0, 0]  # once, when it has held for 3 steps
+    line = out[2][1][0]
+    assert "--max-new-tokens 6 cuts 100% of replies" in line and "raise --max-new-tokens" in line
+    assert "\n" not in line and line.startswith("warning: ")
+
+
+def test_a_condition_that_clears_starts_over_and_warns_again():
+    check = HealthCheck(max_new_tokens=6)
+    cut, fine = {"completions/clipped_ratio": 0.95}, {"completions/clipped_ratio": 0.5}
+    out = _steps(check, [cut, cut, fine, cut, cut, cut])
+    assert [f["health/clipped_replies"] for f, _ in out] == [1, 2, 0, 1, 2, 3]
+    assert [len(w) for _, w in out] == [0, 0, 0, 0, 0, 1]
+
+
+@pytest.mark.parametrize(
+    ("key", "bad", "good", "rule", "names"),
+    [
+        ("frac_reward_zero_std", 1.0, 0.5, "zero_std_groups", ["100% of groups", "--num-generations"]),
+        ("truncated_fraction", 1.0, 0.1, "truncated", ["100% of samples outgrew", "--max-turns"]),
+        (
+            "invalid/ended_fraction",
+            0.75,
+            0.25,
+            "invalid_moves",
+            ["75% of samples ended on invalid", "--model"],
+        ),
+        (
+            "completions/clipped_ratio",
+            0.9,
+            0.89,
+            "clipped_replies",
+            ["cuts 90% of replies", "--max-new-tokens"],
+        ),
+        ("tool/calls_per_sample", 0.0, 0.25, "no_tool_calls", ["calls no tool", "--tools"]),
+    ],
+)
+def test_each_rule_its_threshold_and_its_cause(key, bad, good, rule, names):
+    bad_run = _steps(HealthCheck(max_new_tokens=6), [{key: bad}] * 3)
+    assert bad_run[-1][0][f"health/{rule}"] == 3
+    (line,) = bad_run[-1][1]
+    assert all(n in line for n in names), line
+    good_run = _steps(HealthCheck(max_new_tokens=6), [{key: good}] * 3)
+    assert all(f[f"health/{rule}"] == 0 and not w for f, w in good_run)
+
+
+def test_a_figure_the_step_does_not_have_never_warns():
+    # no tools offered: no tool/calls_per_sample, so no "calls no tool" warning however long
+    out = _steps(HealthCheck(max_new_tokens=6, patience=1), [{"reward_mean": 0.0}] * 4)
+    assert all(not w for _, w in out)
+    assert set(out[0][0]) == {
+        "health/zero_std_groups",
+        "health/truncated",
+        "health/invalid_moves",
+        "health/clipped_replies",
+        "health/no_tool_calls",
+    }
+    assert not any(out[0][0].values())
+
+
+def test_several_conditions_warn_apart_and_a_null_figure_does_not_count():
+    bad = {"frac_reward_zero_std": 1.0, "completions/clipped_ratio": 1.0, "truncated_fraction": None}
+    out = _steps(HealthCheck(max_new_tokens=4, patience=2), [bad, bad])
+    assert len(out[1][1]) == 2 and out[1][0]["health/truncated"] == 0
+
+
+def test_patience_must_be_positive():
+    with pytest.raises(ValueError, match="HealthCheck.patience must be >= 1, got 0"):
+        HealthCheck(max_new_tokens=6, patience=0)

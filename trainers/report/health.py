@@ -1,0 +1,111 @@
+"""The health check of every step: signs that a run cannot learn, each with its likely cause and flag.
+
+Each `Rule` reads one figure of the step's record. `HealthCheck.check(record)` returns the
+`health/<rule>` figures (for how many steps in a row the rule's condition has held; 0 when it
+does not) and, when a condition has held for `patience` steps in a row, one warning line for
+it, repeated only after the condition cleared and came back (a resumed run counts afresh)::
+
+    check = HealthCheck(max_new_tokens=6)
+    figures, warnings = check.check(record)   # {"health/clipped_replies": 3, ...}, ["..."]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rule:
+    """A condition on one figure of the record, and what to tell the user when it persists."""
+
+    name: str  # the figure is `health/<name>`
+    key: str  # the record's figure it reads; a record without it does not trigger it
+    threshold: float
+    below: bool = False  # the condition: value <= threshold (else value >= threshold)
+    message: Callable[[float, int], str]  # (value, max_new_tokens) -> the warning's text
+
+    def holds(self, record: Mapping[str, object]) -> bool:
+        value = record.get(self.key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return False
+        return value <= self.threshold if self.below else value >= self.threshold
+
+
+def _zero_std(v: float, _: int) -> str:
+    return (
+        f"{v:.0%} of groups got equal rewards (frac_reward_zero_std): their advantages are 0, so "
+        "nothing is learnt from them; read the rewards in completions.jsonl, raise --temperature or "
+        "--num-generations, or use a task setting the policy can sometimes solve"
+    )
+
+
+def _truncated(v: float, _: int) -> str:
+    return (
+        f"{v:.0%} of samples outgrew the model's context (truncated_fraction) and could not finish; "
+        "shorten the episodes (the task's own limit, e.g. --task-arg max_steps=8; --max-turns with a "
+        "scheduler), lower --max-new-tokens, or use a model with a longer context (--model)"
+    )
+
+
+def _invalid(v: float, _: int) -> str:
+    return (
+        f"{v:.0%} of samples ended on invalid moves or actions (invalid/ended_fraction): the policy "
+        "does not answer in the task's move format; read its replies in completions.jsonl "
+        "(--log-completions-every 1), raise --max-new-tokens if they are cut, or start from an "
+        "instruction-tuned model (--model)"
+    )
+
+
+def _clipped(v: float, max_new_tokens: int) -> str:
+    return (
+        f"--max-new-tokens {max_new_tokens} cuts {v:.0%} of replies (completions/clipped_ratio); "
+        "raise --max-new-tokens"
+    )
+
+
+def _no_tools(v: float, _: int) -> str:
+    return (
+        f"the policy calls no tool (tool/calls_per_sample {v:.2f}) although --tools offers them; use a "
+        "model tuned for tool calling (--model), and check in completions.jsonl that its chat "
+        "template shows the tools"
+    )
+
+
+RULES = (
+    Rule(name="zero_std_groups", key="frac_reward_zero_std", threshold=0.9, message=_zero_std),
+    Rule(name="truncated", key="truncated_fraction", threshold=0.5, message=_truncated),
+    Rule(name="invalid_moves", key="invalid/ended_fraction", threshold=0.5, message=_invalid),
+    Rule(name="clipped_replies", key="completions/clipped_ratio", threshold=0.9, message=_clipped),
+    Rule(name="no_tool_calls", key="tool/calls_per_sample", threshold=0.0, below=True, message=_no_tools),
+)
+
+
+@dataclass(kw_only=True)
+class HealthCheck:
+    """Counts, rule by rule, the steps in a row whose record meets the rule's condition."""
+
+    max_new_tokens: int  # what the clipped-replies warning names
+    patience: int = 3  # steps in a row before a warning
+    rules: tuple[Rule, ...] = RULES
+    streaks: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.patience < 1:
+            raise ValueError(f"HealthCheck.patience must be >= 1, got {self.patience}")
+
+    def check(self, record: Mapping[str, object]) -> tuple[dict[str, int], list[str]]:
+        """This step's `health/<rule>` figures, and the warnings that are due now."""
+        figures, warnings = {}, []
+        for rule in self.rules:
+            streak = self.streaks.get(rule.name, 0) + 1 if rule.holds(record) else 0
+            self.streaks[rule.name] = streak
+            figures[f"health/{rule.name}"] = streak
+            if streak == self.patience:  # once per stretch: a run that stays stuck says it once
+                value = record[rule.key]
+                assert isinstance(value, (int, float))  # Rule.holds checked it
+                warnings.append(
+                    f"warning: {rule.message(float(value), self.max_new_tokens)} "
+                    f"(for {streak} steps in a row, step {record.get('step')})"
+                )
+        return figures, warnings
