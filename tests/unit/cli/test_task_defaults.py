@@ -56,7 +56,7 @@ def test_tools_widen_the_reply_over_the_task_but_not_over_the_user(tmp_path):
 
 def test_a_task_default_that_is_no_option_is_named():
     args = parse([], description="test")
-    with pytest.raises(ValueError, match=r"task mine: option_defaults\(\) names 'max_new_token', which is no"):
+    with pytest.raises(ValueError, match=r"task mine: option_defaults\(\) names 'max_new_token', which"):
         defaults.apply(args, {"max_new_token": 8}, "task mine")
     with pytest.raises(UsageError, match="task mine: its default options do not hold"):
         defaults.apply(args, {"num_generations": 0}, "task mine")

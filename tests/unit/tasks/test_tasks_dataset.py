@@ -104,7 +104,7 @@ def test_errors_name_the_input(tmp_path):
         ds_tasks.source(str(empty))
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"prompt": "a"}\n{not json')
-    with pytest.raises(ValueError, match="broken.jsonl': cannot read it as .jsonl"):
+    with pytest.raises(ValueError, match="broken.jsonl' line 2: not JSON"):  # the row, named
         ds_tasks.source(str(broken))
     with pytest.raises(ValueError, match="expected a .jsonl, .json, .parquet, .csv file"):
         ds_tasks.source(str(tmp_path / "d.txt"))
