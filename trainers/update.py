@@ -18,13 +18,13 @@ from interlens_mcore import distributed
 from interlens_mcore.grpo.batch import Layout, TrainingBatch, build_batch
 from interlens_mcore.grpo.loss.config import LossConfig
 from interlens_mcore.grpo.loss.mask import denominators, is_weight_sums, loss_token_mask
-from interlens_mcore.grpo.loss.objective import (
-    batch_loss,
+from interlens_mcore.grpo.loss.metrics import (
     empty_metrics,
     finalize_metrics,
+    keys_by_reduction,
     merge_metrics,
-    reduction,
 )
+from interlens_mcore.grpo.loss.objective import batch_loss
 from interlens_mcore.rollout.rollouter import Rollout
 from interlens_mcore.types import Trajectory
 
@@ -139,10 +139,9 @@ def reduce_metrics(sums: dict | None, group: Any) -> dict[str, float]:
     """Sum (max for '/max', min for '/min') the loss metric sums over `group`, then finalize."""
     if sums is None:  # this rank had nothing; its neutral values still join the reductions
         sums = empty_metrics()
-    keys = sorted(sums)  # the same key set on every rank, whatever its config
     merged: dict[str, float] = {}
-    for op in ("sum", "max", "min"):
-        mine = [k for k in keys if reduction(k) == op]
+    # the same key set on every rank, whatever its config, so every rank makes the same calls
+    for op, mine in keys_by_reduction(sums).items():
         if not mine:
             continue
         values = torch.stack([sums[k].double() for k in mine])
