@@ -38,7 +38,7 @@ from __future__ import annotations
 import json
 import pickle
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -153,7 +153,7 @@ def _groups_hyperparameters(optimizer: torch.optim.Optimizer) -> bytes:
 # ---- save / load ----
 
 
-def _split(optimizer: Any) -> tuple[torch.optim.Optimizer | None, Any]:
+def _split(optimizer: object) -> tuple[torch.optim.Optimizer | None, MegatronOptimizer | None]:
     """(a torch optimizer, a megatron one): at most one is not None."""
     if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
         return optimizer, None
@@ -170,7 +170,7 @@ def save(
     folder: str | Path,
     model: GPTModel,
     layout: ModelLayout,
-    optimizer: Any = None,
+    optimizer: torch.optim.Optimizer | MegatronOptimizer | None = None,
 ) -> Path:
     """Write the bare GPTModel (and the optimizer's state) under `folder`; collective over the world.
 
@@ -248,7 +248,7 @@ def load(
     folder: str | Path,
     model: GPTModel,
     layout: ModelLayout,
-    optimizer: Any = None,
+    optimizer: torch.optim.Optimizer | MegatronOptimizer | None = None,
 ) -> None:
     """Fill the bare GPTModel (and the optimizer) from a checkpoint written at any TP; collective.
 
