@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import datetime
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TextIO
 
 RUN_FILE, LOCK_FILE = "run.json", ".lock"
 RESUMABLE = {
@@ -45,12 +46,12 @@ def fresh_name(task: str, root: Path = Path("runs")) -> Path:
     return out
 
 
-def identity(run: dict[str, Any]) -> dict[str, Any]:
+def identity(run: Mapping[str, object]) -> dict[str, object]:
     """The options that define a run (resuming must not change them)."""
     return {k: v for k, v in run.items() if k not in RESUMABLE}
 
 
-def check(out: Path, run: dict[str, Any], *, resume: bool) -> None:
+def check(out: Path, run: Mapping[str, object], *, resume: bool) -> None:
     """Raise RunDirError unless `out` may take `run` (reads only)."""
     if out.exists() and not out.is_dir():
         raise RunDirError(f"--output-dir {out}: exists and is not a folder")
@@ -74,7 +75,7 @@ def check(out: Path, run: dict[str, Any], *, resume: bool) -> None:
         )
 
 
-def claim(out: Path, run: dict[str, Any], *, resume: bool):
+def claim(out: Path, run: Mapping[str, object], *, resume: bool) -> TextIO:
     """Check, take `.lock` for this process's lifetime, write `run.json`; returns the lock handle.
 
     A run whose launcher was killed may leave workers running (torchrun starts them in their
@@ -97,7 +98,7 @@ def claim(out: Path, run: dict[str, Any], *, resume: bool):
     return handle
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
+def write_json_atomic(path: Path, data: Mapping[str, object]) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str))
     tmp.replace(path)

@@ -8,9 +8,9 @@ zero-weighted placeholder batch so the gradient all-reduce stays aligned.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -27,6 +27,9 @@ from interlens_mcore.grpo.loss.metrics import (
 from interlens_mcore.grpo.loss.objective import batch_loss
 from interlens_mcore.rollout.rollouter import Rollout
 from interlens_mcore.types import Trajectory
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 class Trainable(Protocol):
@@ -61,7 +64,7 @@ def update(
     loss_config: LossConfig,
     updates: int = 1,
     loss_fn: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]] = batch_loss,
-    dp_group: Any = None,
+    dp_group: ProcessGroup | None = None,
 ) -> UpdateResult:
     """`updates` optimizer steps on `batches` (None: this rank has no rows for that micro-batch)."""
     cfg = loss_config
@@ -135,7 +138,7 @@ def _placeholder(rollout: Rollout, backend: Trainable) -> TrainingBatch:
     return build_batch([first], [0.0], layout=backend.layout, pad_to_multiple=backend.pad_to_multiple)
 
 
-def reduce_metrics(sums: dict | None, group: Any) -> dict[str, float]:
+def reduce_metrics(sums: Mapping[str, torch.Tensor] | None, group: ProcessGroup | None) -> dict[str, float]:
     """Sum (max for '/max', min for '/min') the loss metric sums over `group`, then finalize."""
     if sums is None:  # this rank had nothing; its neutral values still join the reductions
         sums = empty_metrics()

@@ -7,12 +7,15 @@ it in the same order; rank 0 writes the result.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from interlens_mcore import distributed
 from interlens_mcore.rollout.rollouter import Rollout
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 # loss metric -> metrics.jsonl key (the loss module's names are kept as they are for the rest)
 RENAMED = {
@@ -29,7 +32,9 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def rollout_figures(rollout: Rollout, components: dict[str, list[float]], group: Any) -> dict[str, Any]:
+def rollout_figures(
+    rollout: Rollout, components: dict[str, list[float]], group: ProcessGroup | None
+) -> dict[str, float | None]:
     """Rewards (total, per reward function, per seat), success, turns and timeouts over `group`."""
     trajectories = rollout.trajectories
     mine = {
@@ -43,7 +48,7 @@ def rollout_figures(rollout: Rollout, components: dict[str, list[float]], group:
     }
     parts = distributed.all_gather_object(mine, group=group)
     rewards = torch.tensor([r for p in parts for r in p["reward"]])
-    out: dict[str, Any] = {
+    out: dict[str, float | None] = {
         "reward_mean": float(rewards.mean()) if rewards.numel() else None,
         "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
     }
@@ -68,7 +73,7 @@ def rollout_figures(rollout: Rollout, components: dict[str, list[float]], group:
     return out
 
 
-def train_figures(m: dict[str, float], *, skipped_steps: int) -> dict[str, Any]:
+def train_figures(m: dict[str, float], *, skipped_steps: int) -> dict[str, float]:
     """The loss module's finalized metrics, under the metrics.jsonl names."""
     out = {RENAMED.get(k, k): v for k, v in m.items() if k not in ("loss/policy", "loss/kl")}
     out["loss"] = m.get("loss/policy", 0.0) + m.get("loss/kl", 0.0)
