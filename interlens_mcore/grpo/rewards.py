@@ -29,7 +29,11 @@ from ..types import Status, Trajectory
 
 
 class RewardFn(Protocol):
-    """`fn(trajectories, rows) -> one float per trajectory` (rows[i] is trajectories[i]'s row)."""
+    """`fn(trajectories, rows) -> one float per trajectory` (rows[i] is trajectories[i]'s row).
+
+    The rows are the task source's own objects, whatever their type (so `Any`: a function that
+    annotates them with its task's row type still fits).
+    """
 
     def __call__(self, trajectories: Sequence[Trajectory], rows: Sequence[Any]) -> Sequence[float]: ...
 
@@ -106,11 +110,11 @@ class WeightedRewards:
             raise ValueError(f"reward functions need distinct names, got {names}")
         self.fns, self.weights, self.names = list(fns), [float(w) for w in weights], names
 
-    def __call__(self, trajectories: Sequence[Trajectory], rows: Sequence[Any]) -> list[float]:
+    def __call__(self, trajectories: Sequence[Trajectory], rows: Sequence[object]) -> list[float]:
         return self.score(trajectories, rows)[0]
 
     def score(
-        self, trajectories: Sequence[Trajectory], rows: Sequence[Any]
+        self, trajectories: Sequence[Trajectory], rows: Sequence[object]
     ) -> tuple[list[float], dict[str, list[float]]]:
         """(weighted totals, each function's own values by name)."""
         parts = {n: checked(f, f(trajectories, rows), trajectories) for n, f in zip(self.names, self.fns)}
