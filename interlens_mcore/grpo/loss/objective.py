@@ -61,6 +61,19 @@ class LossInputs:
     def num_samples(self) -> int:
         return self.logprobs_complete.numel()
 
+    def shaped(self) -> dict[str, torch.Tensor | None]:
+        """The [B, T] inputs besides logprobs, by name, in the order their shapes are checked."""
+        return {
+            "loss_mask": self.loss_mask,
+            "advantages": self.advantages,
+            "rollout_logprobs": self.rollout_logprobs,
+            "sample_ids": self.sample_ids,
+            "segment_ids": self.segment_ids,
+            "old_logprobs": self.old_logprobs,
+            "ref_logprobs": self.ref_logprobs,
+            "token_mask": self.token_mask,
+        }
+
     @property
     def train_raw(self) -> torch.Tensor:
         """The old policy's logprobs as given (the PPO ratio's denominator), not yet cleaned."""
@@ -71,8 +84,7 @@ def _check(x: LossInputs) -> None:
     lp = x.logprobs
     if lp.dim() != 2 or lp.numel() == 0:
         raise ValueError(f"logprobs must be a non-empty [B, T] tensor, got shape {tuple(lp.shape)}")
-    for name in _SHAPED:
-        t = getattr(x, name)
+    for name, t in x.shaped().items():
         if t is not None and t.shape != lp.shape:
             raise ValueError(f"{name} must be [B, T] like logprobs {tuple(lp.shape)}, got {tuple(t.shape)}")
     complete = x.logprobs_complete
@@ -84,19 +96,6 @@ def _check(x: LossInputs) -> None:
         raise ValueError(f"num_tokens must be > 0 (global count of loss tokens), got {x.num_tokens!r}")
     if not float(x.num_sequences) > 0:
         raise ValueError(f"num_sequences must be > 0 (global count of samples), got {x.num_sequences!r}")
-
-
-# the [B, T] inputs besides logprobs, in the order their shapes are checked
-_SHAPED = (
-    "loss_mask",
-    "advantages",
-    "rollout_logprobs",
-    "sample_ids",
-    "segment_ids",
-    "old_logprobs",
-    "ref_logprobs",
-    "token_mask",
-)
 
 
 def _check_options(config: LossConfig, x: LossInputs) -> None:
@@ -242,6 +241,8 @@ def _rollout_correction(x: LossInputs, t: _Tokens, config: LossConfig) -> _Corre
 
 @dataclass(frozen=True)
 class _Policy:
+    """The policy surrogate of the kept tokens."""
+
     logprobs: torch.Tensor  # [B, T] float32 train logprobs, 0 off valid (gradient flows on valid)
     terms: PolicyTerms
     per_token: torch.Tensor  # [B, T] the surrogate times the IS weights, 0 off valid
