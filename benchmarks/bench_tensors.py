@@ -31,7 +31,8 @@ from interlens_mcore.assets import load_tiny  # noqa: E402
 from interlens_mcore.grpo.batch import TrainingBatch, build_batch  # noqa: E402
 from interlens_mcore.grpo.logprobs import token_logprobs  # noqa: E402
 from interlens_mcore.grpo.loss.config import LossConfig
-from interlens_mcore.grpo.loss.objective import finalize_metrics, grpo_loss, merge_metrics  # noqa: E402
+from interlens_mcore.grpo.loss.metrics import finalize_metrics, merge_metrics  # noqa: E402
+from interlens_mcore.grpo.loss.objective import grpo_loss  # noqa: E402
 from interlens_mcore.types import Trajectory, TurnSpan  # noqa: E402
 
 

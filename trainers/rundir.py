@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import datetime
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TextIO
 
 RUN_FILE, LOCK_FILE = "run.json", ".lock"
 # the newest checkpoint the run published: a resumption that finds it gone refuses to start over
@@ -48,12 +49,12 @@ def fresh_name(task: str, root: Path = Path("runs")) -> Path:
     return out
 
 
-def identity(run: dict[str, Any]) -> dict[str, Any]:
+def identity(run: Mapping[str, object]) -> dict[str, object]:
     """The options that define a run (resuming must not change them)."""
     return {k: v for k, v in run.items() if k not in RESUMABLE}
 
 
-def check(out: Path, run: dict[str, Any], *, resume: bool) -> None:
+def check(out: Path, run: Mapping[str, object], *, resume: bool) -> None:
     """Raise RunDirError unless `out` may take `run` (reads only)."""
     if out.exists() and not out.is_dir():
         raise RunDirError(f"--output-dir {out}: exists and is not a folder")
@@ -77,7 +78,7 @@ def check(out: Path, run: dict[str, Any], *, resume: bool) -> None:
         )
 
 
-def lock(out: Path, run: dict[str, Any], *, resume: bool):
+def lock(out: Path, run: Mapping[str, object], *, resume: bool) -> TextIO:
     """Take `.lock` for this process's lifetime, then `check`; returns the lock handle.
 
     Nothing in the folder is read or removed before the lock is held: a run whose launcher was
@@ -124,7 +125,7 @@ def _remove(created: list[Path]) -> None:
             return
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
+def write_json_atomic(path: Path, data: Mapping[str, object]) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str))
     tmp.replace(path)

@@ -8,9 +8,9 @@ zero-weighted placeholder batch so the gradient all-reduce stays aligned.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -18,15 +18,18 @@ from interlens_mcore import distributed
 from interlens_mcore.grpo.batch import Layout, TrainingBatch, build_batch
 from interlens_mcore.grpo.loss.config import LossConfig
 from interlens_mcore.grpo.loss.mask import denominators, is_weight_sums, loss_token_mask
-from interlens_mcore.grpo.loss.objective import (
-    batch_loss,
+from interlens_mcore.grpo.loss.metrics import (
     empty_metrics,
     finalize_metrics,
+    keys_by_reduction,
     merge_metrics,
-    reduction,
 )
+from interlens_mcore.grpo.loss.objective import batch_loss
 from interlens_mcore.rollout.rollouter import Rollout
 from interlens_mcore.types import Trajectory
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 class Trainable(Protocol):
@@ -61,7 +64,7 @@ def update(
     loss_config: LossConfig,
     updates: int = 1,
     loss_fn: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]] = batch_loss,
-    dp_group: Any = None,
+    dp_group: ProcessGroup | None = None,
 ) -> UpdateResult:
     """`updates` optimizer steps on `batches` (None: this rank has no rows for that micro-batch)."""
     cfg = loss_config
@@ -135,14 +138,13 @@ def _placeholder(rollout: Rollout, backend: Trainable) -> TrainingBatch:
     return build_batch([first], [0.0], layout=backend.layout, pad_to_multiple=backend.pad_to_multiple)
 
 
-def reduce_metrics(sums: dict | None, group: Any) -> dict[str, float]:
+def reduce_metrics(sums: Mapping[str, torch.Tensor] | None, group: ProcessGroup | None) -> dict[str, float]:
     """Sum (max for '/max', min for '/min') the loss metric sums over `group`, then finalize."""
     if sums is None:  # this rank had nothing; its neutral values still join the reductions
         sums = empty_metrics()
-    keys = sorted(sums)  # the same key set on every rank, whatever its config
     merged: dict[str, float] = {}
-    for op in ("sum", "max", "min"):
-        mine = [k for k in keys if reduction(k) == op]
+    # the same key set on every rank, whatever its config, so every rank makes the same calls
+    for op, mine in keys_by_reduction(sums).items():
         if not mine:
             continue
         values = torch.stack([sums[k].double() for k in mine])

@@ -9,23 +9,28 @@ from __future__ import annotations
 import pickle
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+T = TypeVar("T")
 
 
 def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def world_size(group: Any = None) -> int:
+def world_size(group: ProcessGroup | None = None) -> int:
     return dist.get_world_size(group) if is_initialized() else 1
 
 
-def rank(group: Any = None) -> int:
+def rank(group: ProcessGroup | None = None) -> int:
     return dist.get_rank(group) if is_initialized() else 0
 
 
@@ -55,7 +60,7 @@ class CollectiveError(RuntimeError):
 @dataclass(frozen=True)
 class _Stage:
     name: str
-    allow: tuple[Any, ...] | None  # a local phase's allowed groups; None for a plain stage
+    allow: tuple[ProcessGroup | None, ...] | None  # a local phase's allowed groups; None for a plain stage
 
 
 class _Stages(threading.local):
@@ -77,7 +82,7 @@ def current_stage() -> str | None:
 
 
 @contextmanager
-def stage(name: str, *, allow: tuple[Any, ...] | None = None) -> Iterator[None]:
+def stage(name: str, *, allow: tuple[ProcessGroup | None, ...] | None = None) -> Iterator[None]:
     """Name what this rank is doing: collectives that fail inside say so, and so does an
     exception leaving it (as a note, once, with the innermost stage).
 
@@ -97,13 +102,13 @@ def stage(name: str, *, allow: tuple[Any, ...] | None = None) -> Iterator[None]:
         stack.pop()
 
 
-def local_phase(name: str, allow: tuple[Any, ...] = ()) -> Any:
+def local_phase(name: str, allow: tuple[ProcessGroup | None, ...] = ()) -> AbstractContextManager[None]:
     """`stage(name, allow=allow)`: a block of user code that ends at a world check."""
     return stage(name, allow=tuple(g for g in allow if g is not None))
 
 
 @contextmanager
-def _collective(name: str, group: Any) -> Iterator[None]:
+def _collective(name: str, group: ProcessGroup | None) -> Iterator[None]:
     allowed = [s.allow for s in _stack() if s.allow is not None]  # one per enclosing local phase
     if allowed and not any(group is g for g in allowed[-1]):
         raise CollectiveInLocalPhase(
@@ -121,7 +126,7 @@ def _collective(name: str, group: Any) -> Iterator[None]:
         raise CollectiveError(f"{name} over ranks {ranks} failed during {where!r}: {_describe(exc)}") from exc
 
 
-def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Any = None) -> torch.Tensor:
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group: ProcessGroup | None = None) -> torch.Tensor:
     """In-place all-reduce without autograd ('sum' or 'max'); returns `tensor`."""
     if world_size(group) == 1:
         return tensor
@@ -133,8 +138,8 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Any = None) -> torc
     return tensor
 
 
-def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
-    """Every rank's `obj`, in group-rank order."""
+def all_gather_object(obj: object, group: ProcessGroup | None = None) -> list[Any]:
+    """Every rank's `obj`, in group-rank order (unpickled: each caller knows the shape it sent)."""
     if world_size(group) == 1:
         return [obj]
     out: list[Any] = [None] * world_size(group)
@@ -145,7 +150,7 @@ def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
 
 class _SumForwardCopyBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    def forward(ctx, tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
         out = tensor.clone()
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
         return out
@@ -155,7 +160,7 @@ class _SumForwardCopyBackward(torch.autograd.Function):
         return grad, None
 
 
-def all_reduce_replicated(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+def all_reduce_replicated(tensor: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """Sum over the group, with an identity backward.
 
     For partial sums whose result feeds a loss that every rank of the group computes
@@ -170,7 +175,7 @@ def all_reduce_replicated(tensor: torch.Tensor, group: Any = None) -> torch.Tens
         return _SumForwardCopyBackward.apply(tensor, group)
 
 
-def all_gather_tensor(tensor: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
+def all_gather_tensor(tensor: torch.Tensor, group: ProcessGroup | None = None) -> list[torch.Tensor]:
     """Every rank's `tensor` (same shape on all ranks), in group-rank order; no autograd."""
     if world_size(group) == 1:
         return [tensor]
@@ -180,13 +185,13 @@ def all_gather_tensor(tensor: torch.Tensor, group: Any = None) -> list[torch.Ten
     return out
 
 
-def barrier(group: Any = None) -> None:
+def barrier(group: ProcessGroup | None = None) -> None:
     if world_size(group) > 1:
         with _collective("barrier", group):
             dist.barrier(group=group)
 
 
-def barrier_or_gone(group: Any = None) -> None:
+def barrier_or_gone(group: ProcessGroup | None = None) -> None:
     """A barrier that returns, instead of raising, when a peer has already left (after a failure)."""
     try:
         barrier(group)
@@ -200,7 +205,7 @@ def barrier_or_gone(group: Any = None) -> None:
 _SMALL = 4096  # bytes per rank of the one-collective fast path (a ballot pickles to ~200)
 
 
-def all_gather_small(obj: Any, group: Any = None) -> list[Any]:
+def all_gather_small(obj: T, group: ProcessGroup | None = None) -> list[T]:
     """`all_gather_object` in one fixed-size collective when every rank's pickle is small.
 
     all_gather_object needs two collectives (sizes, then data); the vote runs before every
@@ -221,11 +226,12 @@ def all_gather_small(obj: Any, group: Any = None) -> list[Any]:
     chunks = out.view(-1, _SMALL)
     sizes = [int.from_bytes(bytes(c[:8].tolist()), "little", signed=True) for c in chunks]
     if min(sizes) < 0:  # somebody's object is large: everyone takes the general path
-        return all_gather_object(obj, group=group)
+        return cast(list[T], all_gather_object(obj, group=group))  # every rank sends a T
+    # every rank of the group sends a T
     return [pickle.loads(c[8 : 8 + n].numpy().tobytes()) for c, n in zip(chunks, sizes, strict=True)]
 
 
-def _group_ranks(group: Any) -> tuple[int, ...]:
+def _group_ranks(group: ProcessGroup | None) -> tuple[int, ...]:
     if group is None:
         return tuple(range(world_size()))
     return tuple(dist.get_process_group_ranks(group))

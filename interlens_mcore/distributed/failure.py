@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from .collectives import _describe, _group_ranks, all_gather_small, is_initialized, rank, world_size
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 class WorldFailure(RuntimeError):
@@ -30,7 +33,7 @@ class WorldFailure(RuntimeError):
         super().__init__(message)
 
 
-def world_check_group(*, timeout_s: float) -> Any:
+def world_check_group(*, timeout_s: float) -> ProcessGroup | None:
     """A gloo group over the whole world with its own timeout, for `check_world` (collective).
 
     The timeout must exceed the longest gap between two ranks reaching the check (a rank that
@@ -41,7 +44,7 @@ def world_check_group(*, timeout_s: float) -> Any:
     return dist.new_group(list(range(world_size())), backend="gloo", timeout=timedelta(seconds=timeout_s))
 
 
-def check_world(error: BaseException | None, group: Any = None) -> None:
+def check_world(error: BaseException | None, group: ProcessGroup | None = None) -> None:
     """Fail together: every rank calls this at the same point, with its own error or None.
 
     When any rank passes an error, every rank raises the same `WorldFailure` naming the first

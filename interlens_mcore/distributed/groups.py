@@ -7,9 +7,10 @@ parallel_state.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -17,8 +18,11 @@ import torch.distributed as dist
 from ..rollout.vote import local_gather
 from .collectives import _group_ranks, all_gather_object, all_gather_small, is_initialized, rank, world_size
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
-def megatron_tp_group() -> Any:
+
+def megatron_tp_group() -> ProcessGroup:
     """megatron-core's tensor-parallel group of this rank (parallel_state must be initialised)."""
     from megatron.core import parallel_state
 
@@ -36,13 +40,13 @@ class ParallelGroups:
 
     rank: int
     world_size: int
-    dp: Any = None
-    tp: Any = None
-    pp: Any = None
-    cp: Any = None
-    rollout: Any = None  # ranks whose collectives sit inside one generation call
+    dp: ProcessGroup | None = None
+    tp: ProcessGroup | None = None
+    pp: ProcessGroup | None = None
+    cp: ProcessGroup | None = None
+    rollout: ProcessGroup | None = None  # ranks whose collectives sit inside one generation call
     rollout_ranks: tuple[int, ...] = (0,)
-    vote: Any = None  # gloo side group over rollout_ranks, with its own timeout
+    vote: ProcessGroup | None = None  # gloo side group over rollout_ranks, with its own timeout
     tp_size: int = 1
     dp_size: int = 1
 
@@ -51,23 +55,23 @@ class ParallelGroups:
         return self.rollout_ranks.index(self.rank)
 
     @property
-    def rollout_collectives(self) -> tuple[Any, ...]:
+    def rollout_collectives(self) -> tuple[ProcessGroup | None, ...]:
         """The groups a rollout's own collectives use (each after the vote): a local phase's `allow`."""
         return (self.rollout, self.vote, self.tp)
 
-    def gather_fn(self):
+    def gather_fn(self) -> Callable[[list[object]], list[object]]:
         """The termination vote's gather_fn (accelerate gather_object convention)."""
         if len(self.rollout_ranks) == 1:
             return local_gather
         group = self.vote
 
-        def gather(items: list[Any]) -> list[Any]:
+        def gather(items: list[object]) -> list[object]:
             return [x for part in all_gather_small(items, group=group) for x in part]
 
         return gather
 
 
-def side_groups(group: Any, *, timeout_s: float) -> Any:
+def side_groups(group: ProcessGroup | None, *, timeout_s: float) -> ProcessGroup | None:
     """A gloo group over the same ranks as `group` (this rank's one), with its own timeout.
 
     Collective over the whole world: every rank announces its group, and all distinct groups
@@ -87,7 +91,10 @@ def side_groups(group: Any, *, timeout_s: float) -> Any:
 
 
 def build_groups(
-    *, rollout: str = "model_parallel", vote_timeout_s: float = 1800.0, rollout_group: Any = None
+    *,
+    rollout: str = "model_parallel",
+    vote_timeout_s: float = 1800.0,
+    rollout_group: ProcessGroup | None = None,
 ) -> ParallelGroups:
     """Describe this rank's groups, from megatron's parallel_state when it is initialised.
 
@@ -131,7 +138,7 @@ def build_groups(
     )
 
 
-def _single_rank_group() -> Any:
+def _single_rank_group() -> ProcessGroup | None:
     # one group per rank, created in the same order everywhere
     out = None
     for r in range(world_size()):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,6 +14,7 @@ from .base import EngineStats, Generation, GenerationRequest, check_context
 from .sampler import BatchSampling
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
     from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 
@@ -32,7 +33,7 @@ class HFEngine:
     name: str = "policy"
     max_context: int = 0  # 0: the model's max_position_embeddings
     stats: EngineStats = field(default_factory=EngineStats)
-    sync_group: Any = None  # process group whose ranks must forward in lockstep
+    sync_group: ProcessGroup | None = None  # process group whose ranks must forward in lockstep
 
     def __post_init__(self) -> None:
         if not self.max_context:
@@ -47,7 +48,8 @@ class HFEngine:
         attention_mask: torch.Tensor,
         position_ids: torch.Tensor,
         cache: DynamicCache,
-    ) -> Any:
+    ) -> torch.Tensor:
+        """The model's logits [B, T, V] of one forward step, `cache` extended."""
         t0 = time.perf_counter()
         out = self.model(
             input_ids=input_ids,
@@ -58,7 +60,7 @@ class HFEngine:
         )
         self.stats.forward_s += time.perf_counter() - t0
         self.stats.forwards += 1
-        return out
+        return out.logits
 
     def _checked_caps(self, requests: Sequence[GenerationRequest], synced: bool) -> list[int]:
         """`check_context`; in lockstep every rank learns whether any rank's rows were rejected.
@@ -130,7 +132,7 @@ class HFEngine:
         cache = DynamicCache()
         logits = self._forward(
             input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache
-        ).logits[:, -1]  # [B, V]
+        )[:, -1]  # [B, V]
         sampler = BatchSampling(
             requests,
             vocab_start=0,
@@ -164,7 +166,7 @@ class HFEngine:
                 attention_mask=mask,
                 position_ids=next_pos[:, None],
                 cache=cache,
-            ).logits[:, -1]
+            )[:, -1]
             next_pos = next_pos + 1
         self.stats.generated_tokens += sum(len(x) for x in out_ids)
         return [

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -99,7 +99,7 @@ class PrefixCachingEngine(HFEngine):
         attention_mask: torch.Tensor,
         position_ids: torch.Tensor,
         cache: DynamicCache,
-    ) -> Any:
+    ) -> torch.Tensor:
         call = self._call
         assert call is not None, "HFEngine forwards only inside _generate"
         if call.cache is None or call.ids is None:  # the prefill: the whole left-padded prompt batch

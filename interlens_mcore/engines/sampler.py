@@ -24,11 +24,13 @@ import functools
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from .base import GenerationRequest
 
 _MASK64 = (1 << 64) - 1
@@ -331,7 +333,7 @@ class BatchSampling:
         *,
         vocab_start: int,
         vocab_width: int,
-        tokenizer: Any = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
         owner: str = "engine",
     ) -> None:
         self.temperatures = torch.tensor([r.temperature for r in requests], dtype=torch.float32)
@@ -398,6 +400,7 @@ class BatchSampling:
             return False
         # vLLM matches stop strings in the detokenised output, special tokens skipped; no match
         # was in the text before this token, so a match now is the first one
+        assert self.tokenizer is not None, "__init__ refuses stop strings without a tokenizer"
         text = self.tokenizer.decode(sampled, skip_special_tokens=True)
         return any(s in text for s in stops)
 

@@ -46,13 +46,17 @@ import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from .. import distributed
 from .base import EngineStats, Generation, GenerationRequest, check_context
 from .weight_sync import SyncReport, counted
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from vllm import LLM
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,7 +72,7 @@ class VLLMConfig:
     enforce_eager: bool = True  # no graph capture: starts in seconds (CPU, tests)
     enable_prefix_caching: bool = True
     seed: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)  # any other `LLM` keyword argument
+    extra: dict[str, object] = field(default_factory=dict)  # any other `LLM` keyword argument
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -78,8 +82,8 @@ class VLLMConfig:
                 f"VLLMConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
 
-    def llm_kwargs(self) -> dict[str, Any]:
-        kwargs: dict[str, Any] = dict(
+    def llm_kwargs(self) -> dict[str, object]:
+        kwargs: dict[str, object] = dict(
             tensor_parallel_size=self.tensor_parallel_size,
             dtype=self.dtype,
             gpu_memory_utilization=self.gpu_memory_utilization,
@@ -103,10 +107,10 @@ class VLLMConfig:
 class VLLMEngine:
     """The Engine protocol over a vLLM `LLM` of this process; build it with `create`."""
 
-    llm: Any  # vllm.LLM
+    llm: LLM
     name: str = "policy"
     max_context: int = 0  # 0: vLLM's max_model_len
-    group: Any = None  # the ranks of this vLLM's TP group when > 1 (rows are gathered over it)
+    group: ProcessGroup | None = None  # this vLLM's TP group when > 1 (rows are gathered over it)
     stats: EngineStats = field(default_factory=EngineStats)
     syncs: list[SyncReport] = field(default_factory=list)  # one per update_weights call
 
@@ -118,7 +122,12 @@ class VLLMEngine:
 
     @classmethod
     def create(
-        cls, model: str, config: VLLMConfig | None = None, *, name: str = "policy", group: Any = None
+        cls,
+        model: str,
+        config: VLLMConfig | None = None,
+        *,
+        name: str = "policy",
+        group: ProcessGroup | None = None,
     ) -> VLLMEngine:
         """Build vLLM for the HF folder `model` in this process (on every rank when colocated)."""
         from vllm import LLM

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from itertools import chain
-from typing import Any, Literal
+from typing import Literal, Protocol
 
 import numpy as np
 import torch
@@ -328,7 +328,20 @@ def _pad(columns: dict, flat: _Flat, multiple: int) -> dict[str, np.ndarray]:
     return out
 
 
-def pad_id(tokenizer: Any) -> int:
+class SpecialTokens(Protocol):
+    """The part of a tokenizer (`transformers.PreTrainedTokenizerBase`) `pad_id` reads."""
+
+    @property
+    def pad_token_id(self) -> int | None: ...
+
+    @property
+    def eos_token_id(self) -> int | None: ...
+
+
+def pad_id(tokenizer: SpecialTokens) -> int:
     """The id batches are padded with: the tokenizer's pad token, else its eos token."""
     pad = tokenizer.pad_token_id
-    return int(pad if pad is not None else tokenizer.eos_token_id)
+    pad = pad if pad is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise ValueError(f"tokenizer {type(tokenizer).__name__} has neither a pad nor an eos token id")
+    return int(pad)

@@ -6,11 +6,14 @@ the same distribution the engine sampled it from (rollout logprobs are temperatu
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from interlens_mcore import distributed
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 def _check(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> None:
@@ -45,7 +48,7 @@ def vocab_parallel_token_logprobs(
     *,
     vocab_start: int,
     temperature: float = 1.0,
-    group: Any = None,
+    group: ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Logprobs of `targets` from this rank's vocabulary shard, without gathering the vocabulary.
 

@@ -29,7 +29,11 @@ from ..types import Status, Trajectory
 
 
 class RewardFn(Protocol):
-    """`fn(trajectories, rows) -> one float per trajectory` (rows[i] is trajectories[i]'s row)."""
+    """`fn(trajectories, rows) -> one float per trajectory` (rows[i] is trajectories[i]'s row).
+
+    The rows are the task source's own objects, whatever their type (so `Any`: a function that
+    annotates them with its task's row type still fits).
+    """
 
     def __call__(self, trajectories: Sequence[Trajectory], rows: Sequence[Any]) -> Sequence[float]: ...
 
@@ -38,11 +42,11 @@ class RewardError(ValueError):
     """A reward function returned something that is not one finite number per trajectory."""
 
 
-def reward_name(fn: Any) -> str:
+def reward_name(fn: object) -> str:
     return getattr(fn, "name", None) or getattr(fn, "__name__", None) or type(fn).__name__
 
 
-def environment_reward(trajectories: Sequence[Trajectory], rows: Sequence[Any]) -> list[float]:
+def environment_reward(trajectories: Sequence[Trajectory], rows: Sequence[object]) -> list[float]:
     """The environments' own reward for each trajectory's seat (`infos["env_reward"]`).
 
     A trajectory a step time limit ended may never have been scored: it gets 0 here (the
@@ -64,14 +68,18 @@ def environment_reward(trajectories: Sequence[Trajectory], rows: Sequence[Any]) 
 environment_reward.name = "env"  # type: ignore[attr-defined]
 
 
-def checked(fn: Any, values: Any, trajectories: Sequence[Trajectory]) -> list[float]:
-    """`values` as one finite float per trajectory, or a `RewardError` naming `fn` and the sample."""
+def checked(fn: object, returned: object, trajectories: Sequence[Trajectory]) -> list[float]:
+    """`returned` as one finite float per trajectory, or a `RewardError` naming `fn` and the sample."""
     name = reward_name(fn)
-    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) and not hasattr(values, "tolist"):
+    tolist = getattr(returned, "tolist", None)  # a tensor or numpy array
+    if tolist is not None:
+        values = list(tolist())
+    elif isinstance(returned, Sequence) and not isinstance(returned, (str, bytes)):
+        values = list(returned)
+    else:
         raise RewardError(
-            f"reward function {name!r} returned {type(values).__name__}, expected a list of floats"
+            f"reward function {name!r} returned {type(returned).__name__}, expected a list of floats"
         )
-    values = values.tolist() if hasattr(values, "tolist") else list(values)
     if len(values) != len(trajectories):
         raise RewardError(
             f"reward function {name!r} returned {len(values)} values for {len(trajectories)} trajectories"
@@ -91,7 +99,7 @@ def checked(fn: Any, values: Any, trajectories: Sequence[Trajectory]) -> list[fl
 class WeightedRewards:
     """A weighted sum of reward functions; `components` keeps each one's values for logging."""
 
-    def __init__(self, fns: Sequence[Any], weights: Sequence[float] | None = None):
+    def __init__(self, fns: Sequence[RewardFn], weights: Sequence[float] | None = None):
         if not fns:
             raise ValueError("WeightedRewards needs at least one reward function")
         weights = [1.0] * len(fns) if weights is None else list(weights)
@@ -102,11 +110,11 @@ class WeightedRewards:
             raise ValueError(f"reward functions need distinct names, got {names}")
         self.fns, self.weights, self.names = list(fns), [float(w) for w in weights], names
 
-    def __call__(self, trajectories: Sequence[Trajectory], rows: Sequence[Any]) -> list[float]:
+    def __call__(self, trajectories: Sequence[Trajectory], rows: Sequence[object]) -> list[float]:
         return self.score(trajectories, rows)[0]
 
     def score(
-        self, trajectories: Sequence[Trajectory], rows: Sequence[Any]
+        self, trajectories: Sequence[Trajectory], rows: Sequence[object]
     ) -> tuple[list[float], dict[str, list[float]]]:
         """(weighted totals, each function's own values by name)."""
         parts = {n: checked(f, f(trajectories, rows), trajectories) for n, f in zip(self.names, self.fns)}

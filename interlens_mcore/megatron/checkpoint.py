@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -171,7 +171,7 @@ def _set_hyperparameters(optimizer: torch.optim.Optimizer, stored: torch.Tensor,
 # ---- save / load ----
 
 
-def _split(optimizer: Any) -> tuple[torch.optim.Optimizer | None, Any]:
+def _split(optimizer: object) -> tuple[torch.optim.Optimizer | None, MegatronOptimizer | None]:
     """(a torch optimizer, a megatron one): at most one is not None."""
     if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
         return optimizer, None
@@ -188,7 +188,7 @@ def save(
     folder: str | Path,
     model: GPTModel,
     layout: ModelLayout,
-    optimizer: Any = None,
+    optimizer: torch.optim.Optimizer | MegatronOptimizer | None = None,
 ) -> Path:
     """Write the bare GPTModel (and the optimizer's state) under `folder`; collective over the world.
 
@@ -268,7 +268,7 @@ def load(
     folder: str | Path,
     model: GPTModel,
     layout: ModelLayout,
-    optimizer: Any = None,
+    optimizer: torch.optim.Optimizer | MegatronOptimizer | None = None,
 ) -> None:
     """Fill the bare GPTModel (and the optimizer) from a checkpoint written at any TP; collective.
 

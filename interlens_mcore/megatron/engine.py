@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,8 +36,14 @@ from ..engines.sampler import BatchSampling, Filters, VocabShard, sample
 from .kv_cache import KVCache, attached, supports_kv_cache
 from .model import ModelLayout, forward_logits, vocab_start
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from transformers import PreTrainedTokenizerBase
 
-def vocab_shard(start: int, group: Any = None, comm_device: torch.device | None = None) -> VocabShard:
+
+def vocab_shard(
+    start: int, group: ProcessGroup | None = None, comm_device: torch.device | None = None
+) -> VocabShard:
     """The `VocabShard` of this TP rank: collectives over `group`, reduced on `comm_device`.
 
     comm_device: where the group reduces (a CUDA device for NCCL groups; default: CPU).
@@ -58,7 +64,7 @@ def sample_vocab_parallel(
     seeds: torch.Tensor,
     steps: torch.Tensor,
     start: int,
-    group: Any = None,
+    group: ProcessGroup | None = None,
     comm_device: torch.device | None = None,
     filters: Filters | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,13 +89,16 @@ class MegatronEngine:
 
     model: torch.nn.Module  # the bare GPTModel (this rank's TP shard)
     layout: ModelLayout
-    group: Any = None  # the rollout group (None: the world); must contain whole TP groups
-    tp_group: Any = None  # the model's TP group (None: megatron's), for vocab-parallel sampling
+    # the rollout group (None: the world); must contain whole TP groups
+    group: ProcessGroup | None = None
+    # the model's TP group (None: megatron's), for vocab-parallel sampling
+    tp_group: ProcessGroup | None = None
     name: str = "policy"
     max_context: int = 0  # 0: the layout's max_position
     use_kv_cache: bool = True  # where the model supports it (CPU spec); else full recompute
     stats: EngineStats = field(default_factory=EngineStats)
-    tokenizer: Any = None  # decodes sampled ids for stop strings (requests with `stop` need one)
+    # decodes sampled ids for stop strings (requests with `stop` need one)
+    tokenizer: PreTrainedTokenizerBase | None = None
     compute_dtype: torch.dtype | None = None  # autocast dtype of the forward (None: the weights')
 
     def __post_init__(self) -> None:

@@ -24,11 +24,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 import torch
 
 from .. import distributed
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
+    from torch.distributed import ProcessGroup
 
 TrainingPath = Literal["megatron", "torch"]
 
@@ -128,9 +132,9 @@ class Training:
     path: TrainingPath
     model: torch.nn.Module  # the bare GPTModel (weights shared with the engine)
     train_model: torch.nn.Module  # the DP wrapper (or `model` when DP is 1 on CPU)
-    optimizer: Any  # torch.optim.AdamW ("torch") or a MegatronOptimizer ("megatron")
+    optimizer: torch.optim.Optimizer | MegatronOptimizer  # AdamW ("torch") or megatron's ("megatron")
     dp_size: int
-    tp_group: Any = None
+    tp_group: ProcessGroup | None = None
     tp_shards: frozenset[int] = frozenset()  # ids of TP-sliced parameters ("torch" path)
     grad_clip: float = 1.0
 
@@ -138,7 +142,8 @@ class Training:
         # DDP averages over DP, but the loss is already divided by global counts
         loss = loss * self.dp_size
         if self.path == "megatron":
-            scale = self.optimizer.get_loss_scale()  # a CUDA tensor; the loss may come from the CPU
+            # a CUDA tensor; the loss may come from the CPU
+            scale = self._megatron_optimizer().get_loss_scale()
             loss = loss.to(scale.device) * scale
         loss.backward()
 
@@ -158,6 +163,10 @@ class Training:
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
+    def _megatron_optimizer(self) -> MegatronOptimizer:
+        # build_training makes megatron's optimizer on this path (torch's AdamW on the other)
+        return cast("MegatronOptimizer", self.optimizer)
+
     def _megatron_step(self) -> float:
         from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 
@@ -166,9 +175,10 @@ class Training:
         # DP reduce of the grad buffers (waits for overlapped buckets), and the TP all-reduce
         # of norm gradients that sequence parallelism leaves partial
         finalize_model_grads([ddp])
-        applied, norm, _ = self.optimizer.step()
+        optimizer = self._megatron_optimizer()
+        applied, norm, _ = optimizer.step()
         ddp.zero_grad_buffer()
-        self.optimizer.zero_grad()
+        optimizer.zero_grad()
         return float(norm) if applied else math.nan
 
     def grad_norm(self) -> torch.Tensor:

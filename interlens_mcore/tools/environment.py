@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..rollout.conversation import Conversation, Environment
@@ -107,13 +107,13 @@ class ToolEnvironment(Environment):
         self.role = inner.role if inner is not None else "user"
         self.timeout_s = inner.timeout_s if inner is not None else None
         self._serial = asyncio.Lock()
-        self._lock_loop: Any = None
+        self._lock_loop: asyncio.AbstractEventLoop | None = None
 
     def signature(self) -> tuple:
         inner = self.inner.signature() if self.inner is not None else ()
         return ("tools", self.name, tuple(sorted(self.tools)), inner)
 
-    async def respond(self, conv: Conversation) -> Any:
+    async def respond(self, conv: Conversation) -> object:
         for key in TOOL_COUNTERS:
             conv.infos.setdefault(key, 0)
         last = conv.messages[-1] if conv.messages else None
@@ -182,7 +182,7 @@ class ToolEnvironment(Environment):
         return self.inner.reward_for(conv, participant) if self.inner is not None else None
 
 
-def tool_metrics(infos: Sequence[dict[str, Any]]) -> dict[str, float]:
+def tool_metrics(infos: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     """`tool/calls_per_sample`, `tool/valid_fraction`, `tool/errors_per_sample`, `turns_per_sample`.
 
     From trajectories' (or conversations') infos; the valid fraction is over all calls made

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,7 +26,7 @@ class ToolCall:
     """One well-formed call: a tool name and its keyword arguments."""
 
     name: str
-    arguments: dict[str, Any] = field(default_factory=dict)
+    arguments: dict[str, object] = field(default_factory=dict)  # a JSON object
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -33,12 +33,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from .worker import describe
+from .worker import CallRequest, describe
 
 WORKER_FILE = Path(__file__).with_name("worker.py")
 # run the worker file as __main__, so starting a worker imports no package
@@ -96,7 +95,7 @@ class _Worker:
         self.ready = False
         self.modules: set[str] = set()
 
-    async def send(self, message: dict[str, Any], deadline: float | None) -> None:
+    async def send(self, message: Mapping[str, object], deadline: float | None) -> None:
         data = memoryview(json.dumps(message).encode() + b"\n")
         while data:
             try:
@@ -106,7 +105,7 @@ class _Worker:
             except (BrokenPipeError, OSError) as exc:
                 raise _Died from exc
 
-    async def receive(self, deadline: float | None) -> Any:
+    async def receive(self, deadline: float | None) -> object:
         while b"\n" not in self.buffer:
             if len(self.buffer) > _MAX_REPLY_BYTES:
                 raise ValueError(f"an answer longer than {_MAX_REPLY_BYTES} bytes")
@@ -200,7 +199,13 @@ class WorkerPool:
                 self._idle.extend(_Worker(self._modules) for _ in range(self.limits.workers))
 
     async def call(
-        self, name: str, reference: str, arguments: dict[str, Any], *, timeout_s: float | None, max_chars: int
+        self,
+        name: str,
+        reference: str,
+        arguments: dict[str, object],
+        *,
+        timeout_s: float | None,
+        max_chars: int,
     ) -> tuple[bool, str]:
         """(True, text) of a tool's result, or (False, why); raises nothing but cancellation."""
         try:
@@ -224,7 +229,7 @@ class WorkerPool:
         worker: _Worker,
         name: str,
         reference: str,
-        arguments: dict[str, Any],
+        arguments: dict[str, object],
         timeout_s: float | None,
         max_chars: int,
     ) -> tuple[bool, str]:
@@ -235,8 +240,14 @@ class WorkerPool:
                 return False, f"tool {name!r} could not be imported in its worker process: {problem}"
         cpu_s = self.limits.cpu_s if self.limits.cpu_s is not None else timeout_s
         memory = None if self.limits.memory_mb is None else int(self.limits.memory_mb * 2**20)
-        request = {"call": reference, "name": name, "arguments": arguments, "cpu_s": cpu_s}
-        request.update(memory_bytes=memory, max_chars=max_chars)
+        request = CallRequest(
+            call=reference,
+            name=name,
+            arguments=arguments,
+            cpu_s=cpu_s,
+            memory_bytes=memory,
+            max_chars=max_chars,
+        )
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:
             await worker.send(request, deadline)
@@ -256,7 +267,7 @@ class WorkerPool:
         try:
             if not worker.ready:
                 hello = await worker.receive(deadline)
-                worker.ready, worker.modules = True, set(hello["loaded"])
+                worker.ready, worker.modules = True, _loaded(hello)
             if module in worker.modules:
                 return None
             await worker.send({"load": module}, deadline)
@@ -348,12 +359,20 @@ def _wake(woken: asyncio.Future) -> None:
         woken.set_result(None)
 
 
-def _checked(reply: Any) -> tuple[bool, str]:
+def _checked(reply: object) -> tuple[bool, str]:
     """The (ok, text) of a worker's answer, or ValueError if it is not one."""
-    ok = isinstance(reply, dict) and isinstance(reply.get("ok"), bool) and isinstance(reply.get("text"), str)
-    if not ok:
-        raise ValueError("expected {'ok': bool, 'text': str}")
-    return reply["ok"], reply["text"]
+    if isinstance(reply, dict):
+        ok, text = reply.get("ok"), reply.get("text")
+        if isinstance(ok, bool) and isinstance(text, str):
+            return ok, text
+    raise ValueError("expected {'ok': bool, 'text': str}")
+
+
+def _loaded(hello: object) -> set[str]:
+    """The modules a worker's first answer says it imported (KeyError or TypeError if malformed)."""
+    if not isinstance(hello, dict):
+        raise TypeError(f"expected a JSON object, got {type(hello).__name__}")
+    return set(hello["loaded"])
 
 
 _POOLS: dict[tuple[int, WorkerLimits], WorkerPool] = {}

@@ -11,13 +11,18 @@ template that ignores `tools=` (it renders the same either way) gets `plain_prea
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from .tool import ToolSchema
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _PROBE = "\x00user-probe\x00"
 
 
-def plain_preamble(schemas: Sequence[dict[str, Any]], system: str | None = None) -> str:
+def plain_preamble(schemas: Sequence[ToolSchema], system: str | None = None) -> str:
     """Tool schemas and the call format as plain text, after `system` when given."""
     lines = [system, ""] if system else []
     lines += [
@@ -30,12 +35,19 @@ def plain_preamble(schemas: Sequence[dict[str, Any]], system: str | None = None)
     return "\n".join(lines)
 
 
-def _render(tokenizer: Any, messages: list[dict], tools: Sequence[dict] | None) -> str:
-    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=False)
+def _render(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], tools: Sequence[ToolSchema] | None
+) -> str:
+    listed: list[dict[str, object] | Callable[..., object]] | None = None
+    if tools is not None:
+        listed = [dict(t) for t in tools]
+    text = tokenizer.apply_chat_template(messages, tools=listed, tokenize=False, add_generation_prompt=False)
+    assert isinstance(text, str), "apply_chat_template(tokenize=False) renders text"
+    return text
 
 
 def template_preamble(
-    tokenizer: Any, schemas: Sequence[dict[str, Any]], system: str | None = None
+    tokenizer: PreTrainedTokenizerBase, schemas: Sequence[ToolSchema], system: str | None = None
 ) -> str | None:
     """The system content the chat template gives `schemas` (and `system`), or None if it has none."""
     opening = [{"role": "system", "content": system}] if system else []
@@ -58,7 +70,7 @@ def template_preamble(
 
 
 def tools_system_text(
-    tokenizer: Any | None, schemas: Sequence[dict[str, Any]], system: str | None = None
+    tokenizer: PreTrainedTokenizerBase | None, schemas: Sequence[ToolSchema], system: str | None = None
 ) -> str:
     """The system message content presenting `schemas`: the template's own, else `plain_preamble`."""
     text = template_preamble(tokenizer, schemas, system) if tokenizer is not None else None

@@ -27,9 +27,9 @@ import ast
 import math
 import operator
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import cast
 
 from .sandbox_bounds import (
     HashedBuilder,
@@ -41,14 +41,14 @@ from .sandbox_bounds import (
 )
 
 
-def _sum(values: Iterable, start: Any = 0) -> Any:
+def _sum(values: Iterable, start: object = 0) -> object:
     # a non-number start would let sum() concatenate sequences past every size check
     if not isinstance(start, (int, float, complex)):
         raise SandboxError("sum() takes a number as its start value")
     return sum(values, start)
 
 
-def _str(value: Any) -> str:
+def _str(value: object) -> str:
     # the text of a container can be far larger than its item count (shared references)
     if not isinstance(value, (int, float, complex, bool, str, type(None))):
         raise SandboxError(f"str() of a {type(value).__name__} is not allowed; only of numbers and strings")
@@ -58,7 +58,7 @@ def _str(value: Any) -> str:
 _CONTAINERS = (str, list, tuple, set, frozenset, dict, range)
 
 
-def _total_items(value: Any, cap: int) -> int:
+def _total_items(value: object, cap: int) -> int:
     """Items reachable from `value`, shared references counted each time; stops past `cap`."""
     total, stack = 0, [value]
     while stack and total <= cap:
@@ -76,7 +76,7 @@ def _total_items(value: Any, cap: int) -> int:
 
 
 # Pure functions of values; none of them reaches an object's attributes or the interpreter.
-SAFE_FUNCTIONS: dict[str, Any] = {
+SAFE_FUNCTIONS: dict[str, object] = {
     "abs": abs, "all": all, "any": any, "bool": bool, "divmod": divmod, "enumerate": enumerate,
     "float": float, "int": int, "len": len, "list": list, "max": max, "min": min, "range": range,
     "reversed": reversed, "round": round, "set": set, "sorted": sorted, "str": _str, "sum": _sum,
@@ -88,20 +88,24 @@ SAFE_FUNCTIONS: dict[str, Any] = {
     "pi": math.pi, "e": math.e, "True": True, "False": False, "None": None,
 }  # fmt: skip
 
-_BINOPS: dict[type, Callable[[Any, Any], Any]] = {
+# Python's own operations, applied to the expression's values whatever they are: a value that
+# does not support one raises TypeError, which `evaluate` reports as the expression's error
+_BINOPS: dict[type, Callable[..., object]] = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
     ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
     ast.LShift: operator.lshift, ast.RShift: operator.rshift, ast.BitAnd: operator.and_,
     ast.BitOr: operator.or_, ast.BitXor: operator.xor,
 }  # fmt: skip
-_UNARY: dict[type, Callable[[Any], Any]] = {
+_UNARY: dict[type, Callable[..., object]] = {
     ast.UAdd: operator.pos, ast.USub: operator.neg, ast.Not: operator.not_, ast.Invert: operator.invert,
 }  # fmt: skip
-_COMPARE: dict[type, Callable[[Any, Any], Any]] = {
+_COMPARE: dict[type, Callable[..., object]] = {
     ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
     ast.Gt: operator.gt, ast.GtE: operator.ge, ast.In: lambda a, b: a in b,
     ast.NotIn: lambda a, b: a not in b, ast.Is: operator.is_, ast.IsNot: operator.is_not,
 }  # fmt: skip
+_GETITEM: Callable[..., object] = operator.getitem
+_ITER: Callable[..., Iterator[object]] = iter
 
 ARITHMETIC_NODES = (ast.Expression, ast.Constant, ast.BinOp, ast.UnaryOp, *_BINOPS, *_UNARY)
 EXPRESSION_NODES = (
@@ -149,7 +153,7 @@ class Sandbox:
         self,
         limits: SandboxLimits = _DEFAULT_LIMITS,
         *,
-        names: Mapping[str, Any] = SAFE_FUNCTIONS,
+        names: Mapping[str, object] = SAFE_FUNCTIONS,
         nodes: tuple[type, ...] = EXPRESSION_NODES,
     ):
         self.limits, self.names, self.nodes = limits, dict(names), tuple(nodes)
@@ -214,7 +218,7 @@ class Sandbox:
             raise SandboxError("async comprehensions are not allowed")
 
     # -- evaluation -------------------------------------------------------------------------
-    def evaluate(self, source: str) -> Any:
+    def evaluate(self, source: str) -> object:
         """The value of `source`, or a SandboxError saying what was refused or failed."""
         tree = self.check(source)
         try:
@@ -237,10 +241,10 @@ class _Function:
     and sized on each call the other makes, as a call written in the expression would be.
     """
 
-    fn: Callable[..., Any]
+    fn: Callable[..., object]
     evaluation: _Evaluation
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> object:
         return self.evaluation.apply(self.fn, args, kwargs)
 
     def __repr__(self) -> str:
@@ -250,12 +254,12 @@ class _Function:
 class _Evaluation:
     """One evaluation: the interpreter, its step count and its deadline."""
 
-    def __init__(self, limits: SandboxLimits, names: dict[str, Any]):
+    def __init__(self, limits: SandboxLimits, names: dict[str, object]):
         self.limits, self.names = limits, names
         self.steps, self.start = 0, time.monotonic()
         self.functions: dict[int, _Function] = {}  # one wrapper per function, so `is` holds
 
-    def run(self, node: ast.AST) -> Any:
+    def run(self, node: ast.AST) -> object:
         return self.eval(node, {})
 
     def tick(self) -> None:
@@ -269,14 +273,14 @@ class _Evaluation:
                 f"evaluation stopped after {elapsed:.2f} s (the time limit is {lim.max_seconds:g} s)"
             )
 
-    def eval(self, node: ast.AST, scope: dict[str, Any]) -> Any:
+    def eval(self, node: ast.AST, scope: dict[str, object]) -> object:
         self.tick()
         method = getattr(self, f"_eval_{type(node).__name__}")
         value = method(node, scope)
         # a name's value was sized when it was made, and a call's result by `apply`
         return value if isinstance(node, (ast.Name, ast.Call)) else self.sized(value)
 
-    def sized(self, value: Any) -> Any:
+    def sized(self, value: object) -> object:
         lim = self.limits
         if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > lim.max_int_bits:
             raise SandboxError(
@@ -289,12 +293,12 @@ class _Evaluation:
             )
         return value
 
-    def apply(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    def apply(self, fn: Callable[..., object], args: tuple, kwargs: dict) -> object:
         """fn(*args, **kwargs) for an allowed function: counted, checked before, sized after."""
         self.tick()
         check_call(fn, args, kwargs, self.limits)
         if fn is set:
-            out: Any = self._set(*args, **kwargs)
+            out: object = self._set(*args, **kwargs)
         elif fn is dict:
             out = self._dict(*args, **kwargs)
         else:
@@ -303,22 +307,24 @@ class _Evaluation:
             out = list(self.iterate(out))
         return self.sized(out)
 
-    def _set(self, *args: Any) -> set:
+    def _set(self, *args: object) -> set:
         if len(args) > 1:
             raise SandboxError(f"set() takes at most 1 argument, got {len(args)}")
         return HashedBuilder(self.limits).set_of(self.iterate(args[0] if args else ()))
 
-    def _dict(self, *args: Any, **named: Any) -> dict:
+    def _dict(self, *args: object, **named: object) -> dict:
         if len(args) > 1:
             raise SandboxError(f"dict() takes at most 1 positional argument, got {len(args)}")
         source = args[0] if args else ()
-        pairs = source.items() if isinstance(source, dict) else self.iterate(source)
+        # each item is unpacked into (key, value) below, as dict() would (a TypeError if it can't be)
+        items = cast(Iterator[tuple[object, object]], self.iterate(source))
+        pairs = source.items() if isinstance(source, dict) else items
         return HashedBuilder(self.limits).dict_of([*((k, v) for k, v in pairs), *named.items()])
 
-    def _eval_Constant(self, node: ast.Constant, scope: dict) -> Any:
+    def _eval_Constant(self, node: ast.Constant, scope: dict) -> object:
         return node.value
 
-    def _eval_Name(self, node: ast.Name, scope: dict) -> Any:
+    def _eval_Name(self, node: ast.Name, scope: dict) -> object:
         value = scope[node.id] if node.id in scope else self.names[node.id]
         if not callable(value) or isinstance(value, _Function):
             return value
@@ -326,7 +332,7 @@ class _Evaluation:
             self.functions[id(value)] = _Function(value, self)
         return self.functions[id(value)]
 
-    def _eval_BinOp(self, node: ast.BinOp, scope: dict) -> Any:
+    def _eval_BinOp(self, node: ast.BinOp, scope: dict) -> object:
         left, right = self.eval(node.left, scope), self.eval(node.right, scope)
         check_binop(type(node.op), left, right, self.limits)
         if isinstance(node.op, ast.Mod) and isinstance(left, str):
@@ -336,11 +342,11 @@ class _Evaluation:
             check_hash_spread(out, self.limits)
         return out
 
-    def _eval_UnaryOp(self, node: ast.UnaryOp, scope: dict) -> Any:
+    def _eval_UnaryOp(self, node: ast.UnaryOp, scope: dict) -> object:
         return _UNARY[type(node.op)](self.eval(node.operand, scope))
 
-    def _eval_BoolOp(self, node: ast.BoolOp, scope: dict) -> Any:
-        value: Any = None
+    def _eval_BoolOp(self, node: ast.BoolOp, scope: dict) -> object:
+        value: object = None
         for v in node.values:
             value = self.eval(v, scope)
             if isinstance(node.op, ast.And) != bool(value):
@@ -356,13 +362,13 @@ class _Evaluation:
             left = right
         return True
 
-    def _eval_IfExp(self, node: ast.IfExp, scope: dict) -> Any:
+    def _eval_IfExp(self, node: ast.IfExp, scope: dict) -> object:
         return self.eval(node.body if self.eval(node.test, scope) else node.orelse, scope)
 
-    def _eval_Call(self, node: ast.Call, scope: dict) -> Any:
+    def _eval_Call(self, node: ast.Call, scope: dict) -> object:
         fn = self.eval(node.func, scope)
         args = [self.eval(a, scope) for a in node.args]
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, object] = {}
         for k in node.keywords:
             assert k.arg is not None, "check() refuses ** arguments"
             kwargs[k.arg] = self.eval(k.value, scope)
@@ -380,7 +386,7 @@ class _Evaluation:
         return HashedBuilder(self.limits).set_of(self.eval(e, scope) for e in node.elts)
 
     def _eval_Dict(self, node: ast.Dict, scope: dict) -> dict:
-        pairs: list[tuple[Any, Any]] = []
+        pairs: list[tuple[object, object]] = []
         for key, value in zip(node.keys, node.values):
             if key is not None:
                 pairs.append((self.eval(key, scope), self.eval(value, scope)))
@@ -391,15 +397,15 @@ class _Evaluation:
             pairs.extend(merged.items())
         return HashedBuilder(self.limits).dict_of(pairs)
 
-    def _eval_Subscript(self, node: ast.Subscript, scope: dict) -> Any:
-        return self.eval(node.value, scope)[self.eval(node.slice, scope)]
+    def _eval_Subscript(self, node: ast.Subscript, scope: dict) -> object:
+        return _GETITEM(self.eval(node.value, scope), self.eval(node.slice, scope))
 
     def _eval_Slice(self, node: ast.Slice, scope: dict) -> slice:
         parts = (node.lower, node.upper, node.step)
         return slice(*(None if p is None else self.eval(p, scope) for p in parts))
 
-    def iterate(self, values: Iterable) -> Iterable:
-        for v in values:
+    def iterate(self, values: object) -> Iterator[object]:
+        for v in _ITER(values):
             self.tick()  # every iteration counts, so a long loop hits the step limit
             yield v
 
@@ -415,11 +421,11 @@ class _Evaluation:
             if all(self.eval(cond, inner) for cond in first.ifs):
                 yield from self._bindings(rest, inner)
 
-    def _bind(self, target: ast.AST, value: Any, scope: dict) -> None:
+    def _bind(self, target: ast.AST, value: object, scope: dict) -> None:
         if isinstance(target, ast.Name):
             scope[target.id] = value
         elif isinstance(target, (ast.Tuple, ast.List)):
-            values = list(value)
+            values = list(_ITER(value))
             if len(values) != len(target.elts):
                 raise SandboxError(f"cannot unpack {len(values)} values into {len(target.elts)} names")
             for t, v in zip(target.elts, values):

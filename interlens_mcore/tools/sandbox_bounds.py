@@ -25,7 +25,7 @@ import ast
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeGuard
 
 
 class SandboxError(ValueError):
@@ -50,29 +50,22 @@ class SandboxLimits:
         return math.ceil(self.max_int_bits * math.log10(2)) + 1
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _show(value: Any) -> str:
+def _show(value: object) -> str:
     """A number as a message shows it: a big integer by its size, not its 1,000 digits."""
     if _is_int(value) and value.bit_length() > 64:
         return f"<{value.bit_length()}-bit integer>"
     return repr(value)
 
 
-def check_binop(op: type, left: Any, right: Any, limits: SandboxLimits) -> None:
+def check_binop(op: type, left: object, right: object, limits: SandboxLimits) -> None:
     """Refuse `left <op> right` if its result would break a size limit, before computing it."""
-    bits, items = limits.max_int_bits, limits.max_items
-    ints = _is_int(left) and _is_int(right)
-    # |left| ** right has at least right * (bit_length(left) - 1) bits
-    if op is ast.Pow and ints and right > 0 and right * (abs(left).bit_length() - 1) > bits:
-        raise SandboxError(f"{_show(left)} ** {_show(right)} refused: the result would exceed {bits} bits")
-    if op is ast.LShift and ints and left and right > 0 and abs(left).bit_length() + right > bits + 1:
-        raise SandboxError(f"{_show(left)} << {_show(right)} refused: the result would exceed {bits} bits")
-    if op is ast.Mult and ints and left.bit_length() + right.bit_length() > bits + 1:
-        raise SandboxError(f"a product of {left.bit_length()}- and {right.bit_length()}-bit integers "
-                           f"refused: the result would exceed {bits} bits")  # fmt: skip
+    items = limits.max_items
+    if _is_int(left) and _is_int(right):
+        _check_int_binop(op, left, right, limits.max_int_bits)
     if op is ast.Mult:
         for seq, n in ((left, right), (right, left)):
             if isinstance(seq, (str, list, tuple)) and _is_int(n) and len(seq) * n > items:
@@ -86,8 +79,19 @@ def check_binop(op: type, left: Any, right: Any, limits: SandboxLimits) -> None:
             )
 
 
+def _check_int_binop(op: type, left: int, right: int, bits: int) -> None:
+    # |left| ** right has at least right * (bit_length(left) - 1) bits
+    if op is ast.Pow and right > 0 and right * (abs(left).bit_length() - 1) > bits:
+        raise SandboxError(f"{_show(left)} ** {_show(right)} refused: the result would exceed {bits} bits")
+    if op is ast.LShift and left and right > 0 and abs(left).bit_length() + right > bits + 1:
+        raise SandboxError(f"{_show(left)} << {_show(right)} refused: the result would exceed {bits} bits")
+    if op is ast.Mult and left.bit_length() + right.bit_length() > bits + 1:
+        raise SandboxError(f"a product of {left.bit_length()}- and {right.bit_length()}-bit integers "
+                           f"refused: the result would exceed {bits} bits")  # fmt: skip
+
+
 # -- functions --------------------------------------------------------------------------------
-def _argument(args: tuple, kwargs: dict, index: int, name: str) -> Any:
+def _argument(args: tuple, kwargs: dict, index: int, name: str) -> object:
     if len(args) > index:
         return args[index]
     return kwargs.get(name)
@@ -145,7 +149,7 @@ def _check_range(args: tuple, kwargs: dict, limits: SandboxLimits) -> None:
 
 
 CallCheck = Callable[[tuple, dict, SandboxLimits], None]
-FUNCTION_CHECKS: dict[Callable[..., Any], CallCheck] = {
+FUNCTION_CHECKS: dict[Callable[..., object], CallCheck] = {
     round: _check_round,
     math.factorial: _check_factorial,
     math.perm: _check_perm,
@@ -154,7 +158,7 @@ FUNCTION_CHECKS: dict[Callable[..., Any], CallCheck] = {
 }
 
 
-def check_call(fn: Callable[..., Any], args: tuple, kwargs: dict, limits: SandboxLimits) -> None:
+def check_call(fn: Callable[..., object], args: tuple, kwargs: dict, limits: SandboxLimits) -> None:
     """Refuse `fn(*args, **kwargs)` if it would break a limit, for the functions that can."""
     for known, check in FUNCTION_CHECKS.items():
         if fn is known:  # by identity: a name's function may be any object, hashable or not
@@ -175,7 +179,7 @@ class HashedBuilder:
         self.limit = limits.max_hash_collisions
         self.per_hash: dict[int, int] = {}
 
-    def admit(self, table: set | dict, key: Any) -> None:
+    def admit(self, table: set | dict, key: object) -> None:
         h = hash(key)  # TypeError for an unhashable key, as the builtins raise
         n = self.per_hash.get(h, 0)
         if n and key in table:
@@ -191,7 +195,7 @@ class HashedBuilder:
             out.add(key)
         return out
 
-    def dict_of(self, pairs: Iterable[tuple[Any, Any]]) -> dict:
+    def dict_of(self, pairs: Iterable[tuple[object, object]]) -> dict:
         out: dict = {}
         for key, value in pairs:
             self.admit(out, key)

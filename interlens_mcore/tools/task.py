@@ -14,16 +14,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..rollout.conversation import Environment, Participant, Policy
-from ..tasks.base import TaskSource
-from ..types import Message
+from ..tasks.base import Task, TaskSource
+from ..types import Message, Trajectory
 from .environment import ToolEnvironment, check_isolation, start_workers
 from .parser import HermesParser, ToolCallParser
 from .pool import WorkerLimits
 from .render import tools_system_text
 from .tool import Tool, as_tools
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,10 +45,10 @@ class ToolOptions:
 class ToolTask:
     """A row of the wrapped source, with the tools in its opening and its lineup."""
 
-    inner: Any
+    inner: Task
     tools: list[Tool]
     options: ToolOptions
-    tokenizer: Any = None
+    tokenizer: PreTrainedTokenizerBase | None = None
 
     @property
     def max_turns(self) -> int:
@@ -82,7 +85,7 @@ class ToolTask:
             )  # fmt: skip
         return wrapped
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> object:
         # the wrapped row's own fields (`columns`, a reasoning-gym `entry`) stay readable by reward
         # functions, as if no tools were offered
         if name == "inner":
@@ -93,7 +96,13 @@ class ToolTask:
 class ToolTaskSource(TaskSource):
     """`source`'s rows as `ToolTask`s; seats, evaluation and options carried over."""
 
-    def __init__(self, source: TaskSource, tools: Sequence[Any], options: ToolOptions, tokenizer: Any = None):
+    def __init__(
+        self,
+        source: TaskSource,
+        tools: Sequence[Callable[..., object] | Tool],
+        options: ToolOptions,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+    ):
         if source.scheduler() is not None:
             raise ValueError(
                 f"with_tools: task source {source.name!r} runs through a scheduler; "
@@ -108,7 +117,7 @@ class ToolTaskSource(TaskSource):
         # stop strings for the policy's sampling: a turn ends right after a call
         self.stop = tuple(options.parser.stop)
 
-    def _wrap(self, rows: list[Any]) -> list[ToolTask]:
+    def _wrap(self, rows: list[Task]) -> list[ToolTask]:
         return [
             ToolTask(inner=r, tools=self.tools, options=self.options, tokenizer=self.tokenizer) for r in rows
         ]
@@ -116,7 +125,7 @@ class ToolTaskSource(TaskSource):
     def rows(self, n: int, *, seed: int) -> list[ToolTask]:
         return self._wrap(self.source.rows(n, seed=seed))
 
-    def success_of(self, trajectory: Any) -> float | None:
+    def success_of(self, trajectory: Trajectory) -> float | None:
         return self.source.success_of(trajectory)
 
     def dataset_of(self, row: object) -> str | None:
@@ -126,7 +135,7 @@ class ToolTaskSource(TaskSource):
     def eval_rows(self, n: int, *, seed: int) -> list[ToolTask]:
         return self._wrap(self.source.eval_rows(n, seed=seed))
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, object]:
         o = self.options
         return {
             **self.source.describe(),
@@ -140,9 +149,9 @@ class ToolTaskSource(TaskSource):
 
 def with_tools(
     source: TaskSource,
-    tools: Sequence[Callable[..., Any] | Tool],
+    tools: Sequence[Callable[..., object] | Tool],
     *,
-    tokenizer: Any = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
     parser: ToolCallParser | None = None,
     max_calls: int = 4,
     tool_timeout_s: float | None = 10.0,

@@ -28,26 +28,51 @@ import dataclasses
 import importlib
 import inspect
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict, cast
+
+
+class ToolParameters(TypedDict, total=False):
+    """The JSON schema of a tool's keyword arguments."""
+
+    type: str
+    properties: dict[str, dict[str, object]]  # argument name -> its JSON schema
+    required: list[str]
+
+
+class _NamedFunction(TypedDict):
+    name: str
+
+
+class ToolFunction(_NamedFunction, total=False):
+    description: str
+    parameters: ToolParameters
+    returns: dict[str, object]
+
+
+class ToolSchema(TypedDict):
+    """`{"type": "function", "function": {"name", "description", "parameters"}}`."""
+
+    type: str
+    function: ToolFunction
 
 
 @dataclass(frozen=True)
 class Tool:
     """A callable and its schema (`{"type": "function", "function": {"name", ...}}`)."""
 
-    fn: Callable[..., Any]
-    schema: dict[str, Any]
+    fn: Callable[..., object]
+    schema: ToolSchema
     reference: str | None = None  # `MODULE:QUALNAME` a worker imports it by; None if not importable
 
     @property
     def name(self) -> str:
         return self.schema["function"]["name"]
 
-    def argument_error(self, arguments: dict[str, Any]) -> str | None:
+    def argument_error(self, arguments: Mapping[str, object]) -> str | None:
         """Why `arguments` cannot be passed to the tool (unknown or missing names), or None."""
-        params = self.schema["function"].get("parameters", {})
+        params = self.schema["function"].get("parameters", ToolParameters())
         known = set(params.get("properties", {}))
         unknown = sorted(set(arguments) - known)
         missing = sorted(set(params.get("required", [])) - set(arguments))
@@ -58,7 +83,7 @@ class Tool:
         return None
 
 
-def reference_of(fn: Callable[..., Any]) -> tuple[str | None, str]:
+def reference_of(fn: Callable[..., object]) -> tuple[str | None, str]:
     """(`MODULE:QUALNAME`, "") if importing that name gives `fn` back, else (None, why not)."""
     if not (inspect.isfunction(fn) or inspect.isbuiltin(fn)):
         return None, f"it is a {type(fn).__name__}, not a function"
@@ -67,7 +92,7 @@ def reference_of(fn: Callable[..., Any]) -> tuple[str | None, str]:
         return None, "it is a lambda or is defined inside a function"
     if module == "__main__" or module not in sys.modules:
         return None, f"it is defined in {module!r}, the script being run, not in an importable module"
-    obj: Any = sys.modules[module]
+    obj: object = sys.modules[module]
     for part in qualname.split("."):
         obj = getattr(obj, part, None)
     if obj is not fn:
@@ -75,7 +100,7 @@ def reference_of(fn: Callable[..., Any]) -> tuple[str | None, str]:
     return f"{module}:{qualname}", ""
 
 
-def as_tool(fn: Callable[..., Any] | Tool) -> Tool:
+def as_tool(fn: Callable[..., object] | Tool) -> Tool:
     """`fn` with its schema from its signature and docstring; a `Tool` as it is (with its
     function's reference if it was made without one)."""
     if isinstance(fn, Tool):
@@ -94,10 +119,11 @@ def as_tool(fn: Callable[..., Any] | Tool) -> Tool:
             f"tool {name!r}: no JSON schema from its signature and docstring ({exc}); give every "
             "argument a type hint and describe it in an 'Args:' section of the docstring"
         ) from exc
-    return Tool(fn=fn, schema=schema, reference=reference_of(fn)[0])
+    # transformers builds the schema of the form ToolSchema declares
+    return Tool(fn=fn, schema=cast(ToolSchema, schema), reference=reference_of(fn)[0])
 
 
-def as_tools(tools: Sequence[Callable[..., Any] | Tool]) -> list[Tool]:
+def as_tools(tools: Sequence[Callable[..., object] | Tool]) -> list[Tool]:
     """Tools with distinct names, or a ValueError naming the repeated one."""
     out = [as_tool(t) for t in tools]
     names = [t.name for t in out]

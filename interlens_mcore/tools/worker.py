@@ -34,21 +34,33 @@ import resource
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, BinaryIO
+from typing import BinaryIO, TypedDict, cast
 
 
-def resolve(reference: str) -> Callable[..., Any]:
+class CallRequest(TypedDict):
+    """A call's line of the protocol (parent -> worker)."""
+
+    call: str  # MODULE:QUALNAME
+    name: str
+    arguments: dict[str, object]  # the JSON object the policy wrote
+    cpu_s: float | None
+    memory_bytes: int | None
+    max_chars: int
+
+
+def resolve(reference: str) -> Callable[..., object]:
     """The object named by `MODULE:QUALNAME`, the module imported if need be."""
     module, _, qualname = reference.partition(":")
-    obj: Any = importlib.import_module(module)
+    obj: object = importlib.import_module(module)
     for part in qualname.split("."):
         obj = getattr(obj, part)
-    return obj
+    # called by `run_call`, which reports a TypeError if it is not callable after all
+    return cast(Callable[..., object], obj)
 
 
-def type_name(obj: Any) -> str:
+def type_name(obj: object) -> str:
     try:
         return str(type(obj).__name__)
     except BaseException:  # a metaclass can make even the name raise
@@ -65,12 +77,12 @@ def describe(exc: BaseException) -> str:
     return f"{kind}: {message}" if message else kind
 
 
-def result_text(value: Any) -> str:
+def result_text(value: object) -> str:
     """What the policy reads of a tool's value: a string as it is, anything else by its repr."""
     return str.__str__(value) if isinstance(value, str) else repr(value)
 
 
-def settle(name: str, value: Any) -> tuple[bool, str]:
+def settle(name: str, value: object) -> tuple[bool, str]:
     """(True, text) of a tool's value, or (False, why) when its text cannot be made."""
     try:
         return True, result_text(value)
@@ -89,7 +101,7 @@ def cut(text: str, max_chars: int) -> str:
     return text[:max_chars] + f"... ({len(text) - max_chars} characters cut)"
 
 
-def run_call(name: str, fn: Callable[..., Any], arguments: dict[str, Any]) -> tuple[bool, str]:
+def run_call(name: str, fn: Callable[..., object], arguments: Mapping[str, object]) -> tuple[bool, str]:
     """fn(**arguments), awaited if it hands back an awaitable, as (ok, text); never raises."""
     try:
         value = fn(**arguments)
@@ -100,7 +112,7 @@ def run_call(name: str, fn: Callable[..., Any], arguments: dict[str, Any]) -> tu
     return settle(name, value)
 
 
-async def _awaited(awaitable: Any) -> Any:
+async def _awaited(awaitable: Awaitable[object]) -> object:
     return await awaitable
 
 
@@ -144,9 +156,9 @@ class _Worker:
 
     def __init__(self, requests: BinaryIO, replies: BinaryIO):
         self.requests, self.replies = requests, replies
-        self.functions: dict[str, Callable[..., Any]] = {}
+        self.functions: dict[str, Callable[..., object]] = {}
 
-    def send(self, message: dict[str, Any]) -> None:
+    def send(self, message: Mapping[str, object]) -> None:
         self.replies.write(json.dumps(message).encode() + b"\n")
         self.replies.flush()
 
@@ -157,7 +169,7 @@ class _Worker:
             return False, cut(describe(exc), 2000)
         return True, ""
 
-    def call(self, request: dict[str, Any]) -> tuple[bool, str]:
+    def call(self, request: CallRequest) -> tuple[bool, str]:
         name, reference = request["name"], request["call"]
         try:
             fn = self.functions.get(reference) or resolve(reference)

@@ -6,11 +6,14 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from interlens_mcore.engines.vllm import VLLMConfig
 
 from ..config import BackendConfig
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 class ColocatedVLLM:
@@ -20,7 +23,14 @@ class ColocatedVLLM:
     after a rollout (`idle`) and takes it back before the next weight sync.
     """
 
-    def __init__(self, model_path: Path, config: VLLMConfig, *, group: Any, tensors: Callable[[], Iterable]):
+    def __init__(
+        self,
+        model_path: Path,
+        config: VLLMConfig,
+        *,
+        group: ProcessGroup | None,
+        tensors: Callable[[], Iterable],
+    ):
         from interlens_mcore.engines.vllm import VLLMEngine
 
         # a sharded megatron checkpoint has no HF weights for vLLM to read: start from random

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -110,8 +110,8 @@ class DeepSpeedBackend:
         *,
         model_path: str | Path,
         ds_config: dict,
-        groups: Any,
-        tokenizer: Any,
+        groups: distributed.ParallelGroups,
+        tokenizer: PreTrainedTokenizerBase,
         temperature: float = 1.0,
         reference: bool = False,
         vllm: VLLMConfig | None = None,

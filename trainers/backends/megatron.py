@@ -15,7 +15,6 @@ where those need CUDA, torch DDP over the DP group and a torch AdamW. Checkpoint
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -89,7 +88,7 @@ class MegatronBackend:
         temperature: float = 1.0,
         reference: bool = False,
         seed: int = 0,
-        tokenizer: Any = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
         vllm: VLLMConfig | None = None,
         compute_dtype: torch.dtype | None = None,
     ):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,6 +18,9 @@ from interlens_mcore.rollout.rollouter import Rollout
 from interlens_mcore.types import Status
 
 from .samples import facts_of, sample_figures
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 # loss metric -> metrics.jsonl key (the loss module's names, `is/...` among them, are kept for the rest)
 RENAMED = {"kl/ref": "kl", "clip/fraction": "clip_fraction"}
@@ -30,7 +33,7 @@ def _mean(values: list[float]) -> float | None:
 def rollout_figures(
     rollout: Rollout,
     components: dict[str, list[float]],
-    group: object = None,
+    group: ProcessGroup | None = None,
     *,
     dataset_of: Callable[[object], str | None] | None = None,
 ) -> dict[str, Any]:
@@ -74,7 +77,7 @@ def rollout_figures(
     return out
 
 
-def train_figures(m: dict[str, float], *, skipped_steps: int) -> dict[str, Any]:
+def train_figures(m: dict[str, float], *, skipped_steps: int) -> dict[str, float]:
     """The loss module's finalized metrics, under the metrics.jsonl names."""
     out = {RENAMED.get(k, k): v for k, v in m.items() if k not in ("loss/policy", "loss/kl")}
     out["loss"] = m.get("loss/policy", 0.0) + m.get("loss/kl", 0.0)

@@ -13,7 +13,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from .plot import plot_run
 
@@ -50,7 +50,7 @@ class Reporter:
         total: int,
         start: int,
         enabled: bool,
-        run_info: dict[str, Any] | None = None,
+        run_info: dict[str, object] | None = None,
     ):
         self.out, self.enabled, self.total, self.start = Path(output_dir), enabled, total, start
         self.t0 = time.perf_counter()

@@ -14,6 +14,20 @@ import torch
 
 from interlens_mcore.grpo.loss.aggregation import unit_means, unit_sums
 
+# the keys `off_policy_sums` returns (declared so a rank that trained on nothing knows them)
+SUM_KEYS = (
+    "is/samples_compared",
+    "is/rollout_ppl_sum",
+    "is/training_ppl_sum",
+    "is/log_ppl_diff_sum",
+    "is/chi2_token_sum",
+    "is/chi2_seq_sum",
+    "is/kl_k1_sum",
+    "is/kl_k3_sum",
+    "is/abs_logprob_diff_sum",
+    "is/abs_logprob_diff/max",
+)
+
 
 def off_policy_sums(
     train: torch.Tensor,

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from interlens_mcore.grpo.batch import TrainingBatch, build_batch
+from interlens_mcore.grpo.batch import TrainingBatch, build_batch, pad_id
 from interlens_mcore.types import Trajectory, TurnSpan
 
 
@@ -206,3 +206,15 @@ def test_every_trained_token_lands_on_its_own_target_position(data, multiple, se
     assert packed.num_loss_tokens == padded.num_loss_tokens == n_trained
     assert packed.num_segments == padded.num_segments == segment
     assert not packed.loss_mask[packed.sample_ids < 0].any()
+
+
+def test_pad_id_is_the_pad_token_else_eos_and_names_a_tokenizer_with_neither():
+    @dataclasses.dataclass
+    class Ids:
+        pad_token_id: int | None
+        eos_token_id: int | None
+
+    assert pad_id(Ids(pad_token_id=3, eos_token_id=7)) == 3
+    assert pad_id(Ids(pad_token_id=None, eos_token_id=7)) == 7
+    with pytest.raises(ValueError, match="tokenizer Ids has neither a pad nor an eos token id"):
+        pad_id(Ids(pad_token_id=None, eos_token_id=None))

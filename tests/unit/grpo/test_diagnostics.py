@@ -4,7 +4,7 @@ import pytest
 import torch
 from test_loss import LP, ROLLOUT, cfg, ratios_old, run
 
-from interlens_mcore.grpo.loss.objective import empty_metrics, finalize_metrics, merge_metrics
+from interlens_mcore.grpo.loss.metrics import empty_metrics, finalize_metrics, merge_metrics
 
 LN2 = math.log(2)
 # The fixture of test_loss: train logprobs -1; sample 0 (3 tokens) has rollout logprobs

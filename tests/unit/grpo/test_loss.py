@@ -8,13 +8,8 @@ from interlens_mcore.grpo.logprobs import token_logprobs
 from interlens_mcore.grpo.loss.config import LossConfig
 from interlens_mcore.grpo.loss.is_weights import importance_weights
 from interlens_mcore.grpo.loss.mask import denominators, is_weight_sums, loss_token_mask
-from interlens_mcore.grpo.loss.objective import (
-    batch_loss,
-    empty_metrics,
-    finalize_metrics,
-    grpo_loss,
-    merge_metrics,
-)
+from interlens_mcore.grpo.loss.metrics import empty_metrics, finalize_metrics, merge_metrics
+from interlens_mcore.grpo.loss.objective import batch_loss, grpo_loss
 from interlens_mcore.types import Trajectory, TurnSpan
 
 LN2 = math.log(2)
