@@ -23,9 +23,10 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from interlens_mcore import distributed
 from interlens_mcore.engines.sampler import mix_seed
@@ -53,6 +54,8 @@ from .update import update
 _EVAL_SEED = 0x65
 
 
+T = TypeVar("T")
+
 def describe_run(
     config: TrainerConfig,
     rollout_config: RolloutConfig,
@@ -60,7 +63,7 @@ def describe_run(
     tasks: TaskSource,
     rewards: WeightedRewards,
     world_size: int,
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """The effective configuration: what run.json records and a resumption must match."""
     return {
         **dataclasses.asdict(config),
@@ -82,7 +85,7 @@ class GRPOTrainer:
         backend: Backend,
         tasks: TaskSource,
         groups: distributed.ParallelGroups,
-        tokenizer: Any,
+        tokenizer: PreTrainedTokenizerBase,
         config: TrainerConfig | None = None,
         rollout_config: RolloutConfig | None = None,
         loss_config: LossConfig | None = None,
@@ -254,7 +257,7 @@ class GRPOTrainer:
         }
         return rec
 
-    def together(self, stage: str, fn: Callable, *args: Any) -> Any:
+    def together(self, stage: str, fn: Callable[..., T], *args: object) -> T:
         """`fn(*args)` as a local phase named `stage`, then the world agrees that no rank failed.
 
         The rule (distributed/collectives.py, "stages and local phases"): every piece of user code (task
@@ -264,13 +267,14 @@ class GRPOTrainer:
         every rank reaches whatever its code did. A rank whose code raised then never leaves a
         peer waiting in another collective: the check names the failure on every rank.
         """
-        error, out = None, None
+        error: Exception | None = None
         try:
             with distributed.local_phase(stage, self.groups.rollout_collectives):
                 out = fn(*args)
         except Exception as exc:  # reported to every rank, re-raised below as WorldFailure
             error = exc
-        distributed.check_world(error, self.world_check)
+        distributed.check_world(error, self.world_check)  # raises on every rank if any failed
+        assert error is None, "check_world raises when any rank failed"
         return out
 
     def scored_rollout(self, step: int) -> tuple[Rollout, dict[str, list[float]]]:
@@ -323,7 +327,7 @@ class GRPOTrainer:
         with distributed.stage("evaluation figures"):
             return record.evaluation_figures(rollout)
 
-    def eval_rows(self) -> list[Any]:
+    def eval_rows(self) -> list[object]:
         """This rank's held-out rows (local)."""
         # one draw for the whole world, the same every time; rank r plays rows r, r + world, ...
         # so the ranks hold distinct rows (and each its share of every seat's block)
@@ -331,7 +335,7 @@ class GRPOTrainer:
         seed = mix_seed(self.rollout_config.seed, _EVAL_SEED)
         return self.tasks.eval_rows(self.config.eval_size * world, seed=seed)[self.groups.rank :: world]
 
-    def scored_evaluation(self, rows: list[Any]) -> Rollout:
+    def scored_evaluation(self, rows: list[object]) -> Rollout:
         """This rank's evaluation rollout of `rows`, scored (collective over the rollout group only)."""
         rollout = self.tasks.evaluate(self.rollouter, rows, self.step)
         totals, _ = self.rewards.score(rollout.trajectories, rollout.rows)

@@ -17,18 +17,26 @@ from __future__ import annotations
 
 import signal
 import threading
-from typing import Any
+from collections.abc import Callable
+from types import FrameType
+from typing import TYPE_CHECKING
 
 import torch
 
 from interlens_mcore import distributed
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+# what signal.getsignal returns: a handler, SIG_DFL / SIG_IGN, or None (set outside Python)
+Handler = Callable[[int, FrameType | None], object] | int | signal.Handlers | None
+
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _received: list[int] = []  # this process's signals since `hold` (the handler only appends)
-_previous: dict[int, Any] = {}
+_previous: dict[int, Handler] = {}
 
 
-def _note(signum: int, frame: Any) -> None:
+def _note(signum: int, frame: FrameType | None) -> None:
     _received.append(signum)
     for sig, handler in _previous.items():  # a second signal acts as it would without us
         signal.signal(sig, handler)
@@ -80,7 +88,7 @@ class StopRequest:
         if self.enabled:
             hold()
 
-    def agreed(self, group: Any = None) -> bool:
+    def agreed(self, group: ProcessGroup | None = None) -> bool:
         """Collective over `group` (every rank of the world, gloo): True when any rank got a signal."""
         if not self.enabled:
             return False

@@ -6,11 +6,18 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from .collectives import _group_ranks, is_initialized, rank
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+# what DCP stores besides the blocks: tensors, numbers and strings, the same on every rank
+Plain = dict[str, object]
 
 
 @dataclass(frozen=True)
@@ -28,7 +35,7 @@ class Block:
     shapes: tuple[tuple[int, ...], ...]
 
 
-def _sharded_tensor(block: Block, group: Any) -> Any:
+def _sharded_tensor(block: Block, group: ProcessGroup | None) -> ShardedTensor:
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
     from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
@@ -50,7 +57,7 @@ def _sharded_tensor(block: Block, group: Any) -> Any:
     return ShardedTensor._init_from_local_shards_and_global_metadata(local, sharded_tensor_metadata=st_meta)
 
 
-def _dcp_state(blocks: dict[str, Block], plain: dict[str, Any], group: Any) -> dict[str, Any]:
+def _dcp_state(blocks: dict[str, Block], plain: Plain, group: ProcessGroup | None) -> dict[str, object]:
     if not is_initialized():
         raise ValueError("sharded checkpoints need torch.distributed (call distributed.init_distributed())")
     return {**plain, **{k: _sharded_tensor(b, group) for k, b in blocks.items()}}
@@ -66,7 +73,7 @@ def _quiet_sharded_tensor():
 
 
 def save_sharded(
-    folder: str | Path, blocks: dict[str, Block], plain: dict[str, Any], group: Any = None
+    folder: str | Path, blocks: dict[str, Block], plain: Plain, group: ProcessGroup | None = None
 ) -> None:
     """Write `blocks` (split over `group`) and `plain` (the same on every rank) with
     torch.distributed.checkpoint; collective over the world.
@@ -91,8 +98,8 @@ def saved_shapes(folder: str | Path) -> dict[str, tuple[int, ...] | None]:
 
 
 def load_sharded(
-    folder: str | Path, blocks: dict[str, Block], plain: dict[str, Any], group: Any = None
-) -> dict[str, Any]:
+    folder: str | Path, blocks: dict[str, Block], plain: Plain, group: ProcessGroup | None = None
+) -> Plain:
     """Read `blocks` in place from a checkpoint written at any split; collective over the world.
 
     Each rank reads the parts of the saved blocks that overlap its own, so a checkpoint

@@ -21,9 +21,14 @@ from __future__ import annotations
 import io
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.planner import ReadItem
 
 # classes a torch.save file of the libraries holds besides torch's own, each plain data when
 # unpickled (a dataclass, an int enum, a class without __setstate__ or __reduce__)
@@ -66,7 +71,7 @@ class UnsafeCheckpoint(ValueError):
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
+    def find_class(self, module: str, name: str) -> type:
         if (module, name) in _DCP_CLASSES or (
             module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         ):
@@ -74,7 +79,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise UnsafeCheckpoint(f"would call {module}.{name} when read (DCP metadata holds data classes only)")
 
 
-def dcp_metadata(folder: str | Path, *, rank: int | None = None) -> Any:
+def dcp_metadata(folder: str | Path, *, rank: int | None = None) -> Metadata:
     """A DCP folder's `Metadata`, read without calling anything but its own data classes."""
     name = ".metadata" if rank is None else f"__{rank}.metadata"
     path = Path(folder) / name
@@ -87,29 +92,30 @@ def dcp_metadata(folder: str | Path, *, rank: int | None = None) -> Any:
             raise ValueError(f"{path}: not a DCP metadata file ({type(exc).__name__}: {exc})") from None
 
 
-def _reader_class() -> type:
+def _reader_class() -> type[FileSystemReader]:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class DCPReader(FileSystemReader):
         """DCP's file reader with its metadata read by `dcp_metadata`."""
 
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            metadata = dcp_metadata(Path(self.path), rank=kwargs.get("rank"))
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
+        def read_metadata(self, *args: object, **kwargs: object) -> Metadata:
+            rank = kwargs.get("rank")
+            metadata = dcp_metadata(Path(self.path), rank=rank if isinstance(rank, int) else None)
+            storage = getattr(metadata, "storage_meta", None) or StorageMeta()  # older files: none
+            storage.load_id = self.load_id
+            metadata.storage_meta = storage
             return metadata
 
     return DCPReader
 
 
-def dcp_reader(folder: str | Path) -> Any:
+def dcp_reader(folder: str | Path) -> FileSystemReader:
     """A `FileSystemReader` over `folder` whose metadata cannot run code (for `dcp.load`)."""
     return _reader_class()(str(folder))
 
 
-def dcp_planner() -> Any:
+def dcp_planner() -> DefaultLoadPlanner:
     """DCP's default load planner, refusing byte entries (DCP would unpickle them freely).
 
     This package stores none: everything it saves through DCP is a tensor.
@@ -117,7 +123,7 @@ def dcp_planner() -> Any:
     from torch.distributed.checkpoint import DefaultLoadPlanner
 
     class Planner(DefaultLoadPlanner):
-        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
             raise UnsafeCheckpoint(
                 f"entry {read_item.dest_index.fqn!r} is a pickled object (DCP would load it with "
                 "weights_only=False); only tensors are read"

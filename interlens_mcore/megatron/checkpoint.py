@@ -302,7 +302,9 @@ def load(
     )
     _zero_vocab_padding(model, layout)
     if optimizer is not None:
-        _set_hyperparameters(optimizer, loaded[HYPERPARAMETERS], folder)
+        hyperparameters = loaded[HYPERPARAMETERS]
+        assert isinstance(hyperparameters, torch.Tensor), "filled in place: the zeros passed above"
+        _set_hyperparameters(optimizer, hyperparameters, folder)
     if megatron_optimizer is not None:
         # after the model: megatron's optimizer copies its fp32 main weights from the state
         _load_megatron_optimizer(folder, model, megatron_optimizer)
