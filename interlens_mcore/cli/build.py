@@ -153,6 +153,10 @@ def check(args: Args) -> TaskSource:
     if args.launch.export_hf is not None and b.backend != "megatron":
         raise UsageError("--export-hf is available with --backend megatron only")
     source = task_source(args)
+    try:
+        t.micro_batch_size(t.batch_size * len(source.trained_seats), r.micro_batch_size)
+    except ValueError as exc:
+        raise UsageError(flagify(str(exc))) from None
     reward_fns(args)
     sizes.check_sizes(args, source)
     if t.output_dir is not None:
@@ -226,6 +230,7 @@ def build_trainer(args: Args, source: TaskSource):
 
     path = model_folder(args)
     tok = tokenizer(args)
+    per_rank = args.trainer.batch_size * len(source.trained_seats)
     backend, groups = build_backend(
         args.backend,
         args.trainer,
@@ -233,8 +238,8 @@ def build_trainer(args: Args, source: TaskSource):
         tokenizer=tok,
         temperature=args.rollout.temperature,
         reference=args.loss.beta > 0,
-        trajectories_per_rank=args.trainer.batch_size * len(source.trained_seats),
-        micro_batch_size=args.rollout.micro_batch_size,
+        trajectories_per_rank=per_rank,
+        micro_batch_size=args.trainer.micro_batch_size(per_rank, args.rollout.micro_batch_size),
     )
     fns, weights = reward_fns(args)
     return GRPOTrainer(
