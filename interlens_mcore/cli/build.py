@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,8 @@ from interlens_mcore.grpo.rewards import environment_reward, reward_name
 from interlens_mcore.plugins import load_object
 from interlens_mcore.tasks import TaskSource, resolve_task
 from trainers import rundir
+
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # OWNER/NAME, as `from_pretrained` takes a hub id
 
 
 def world_size() -> int:
@@ -127,6 +130,13 @@ def check(args: Args) -> TaskSource:
         raise UsageError(
             f"--num-generations {r.num_generations} does not fit --batch-size {t.batch_size}: "
             "the batch must hold whole groups (a positive multiple of num_generations)"
+        )
+    if b.model not in (None, "smollm2") and not Path(b.model).exists() and HUB_ID.fullmatch(b.model):
+        local = f"models/{b.model.split('/')[1]}"
+        raise UsageError(
+            f"--model {b.model}: no such folder; models are read from a local folder (nothing is "
+            f"downloaded here): get it with `huggingface-cli download {b.model} --local-dir {local}`, "
+            f"then pass --model {local}"
         )
     if b.model not in (None, "smollm2") and not (Path(b.model) / "config.json").is_file():
         raise UsageError(f"--model {b.model}: not an HF checkpoint folder (no config.json)")
