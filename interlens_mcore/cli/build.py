@@ -56,6 +56,10 @@ def task_source(args: Args) -> TaskSource:
             source = dataset.source(la.dataset, la.prompt_column, la.eval_dataset, **la.task_arguments)
         else:
             source = resolve_task(la.task, la.task_arguments)
+        if la.system_prompt is not None:  # before --tools: their descriptions join the same message
+            from interlens_mcore.cli.system_prompt import SystemPromptSource
+
+            source = SystemPromptSource(source, la.system_prompt)
     except ValueError as exc:
         raise UsageError(flagify(str(exc))) from None
     if la.tools is not None:
