@@ -173,7 +173,12 @@ def check(args: Args) -> TaskSource:
         raise UsageError(flagify(str(exc))) from None
     reward_fns(args)
     sizes.check_sizes(args, source)
-    if t.output_dir is not None:
+    if args.launch.eval_only and args.launch.export_hf is not None:
+        raise UsageError("--eval-only trains nothing: --export-hf has nothing new to write (drop one)")
+    if args.launch.eval_only and not args.launch.resuming(t.output_dir):
+        if t.output_dir is not None:  # eval.jsonl goes there; the folder need not be a run
+            sizes.check_output_dir(Path(t.output_dir))
+    elif t.output_dir is not None:
         sizes.check_output_dir(Path(t.output_dir))
         try:
             rundir.check(
@@ -192,7 +197,8 @@ def run_info(args: Args, source: TaskSource) -> dict[str, Any]:
     fns, weights = reward_fns(args)
     rewards = WeightedRewards(fns, weights)
     described = describe_run(args.trainer, args.rollout, args.loss, source, rewards, world_size())
-    launch = {k: v for k, v in dataclasses.asdict(args.launch).items() if k not in ("resume", "export_hf")}
+    skip = ("resume", "export_hf", "eval_only")  # how this launch uses the run, not what the run is
+    launch = {k: v for k, v in dataclasses.asdict(args.launch).items() if k not in skip}
     return {**described, **dataclasses.asdict(args.backend), **launch}
 
 
