@@ -152,9 +152,13 @@ class TrainerConfig:
             )
         size = trajectories_per_rank // n
         if micro_batch_size and micro_batch_size != size:
+            # TRL's batch is per_device_train_batch_size x gradient_accumulation_steps: say which
+            # --batch-size that is here
+            wanted, rem = divmod(self.batch_size * micro_batch_size * n, trajectories_per_rank)
+            other = f", or --batch-size {wanted} for N micro-batches of {micro_batch_size}" if not rem else ""
             raise ValueError(
                 f"TrainerConfig.gradient_accumulation_steps {n} makes micro-batches of {size} trajectories "
-                f"but --micro-batch-size is {micro_batch_size} (give one of them)"
+                f"but --micro-batch-size is {micro_batch_size} (give one of them{other})"
             )
         return size
 

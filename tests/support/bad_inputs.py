@@ -144,7 +144,7 @@ SECTIONS: list[tuple[str, list[Refusal]]] = [
                 ("--batch-size", "8", "--num-generations", "4", "--gradient-accumulation-steps", "2",
                  "--per-device-train-batch-size", "2"),
                 "--gradient-accumulation-steps 2 makes micro-batches of 4 trajectories but "
-                "--micro-batch-size is 2 (give one of them)",
+                "--micro-batch-size is 2 (give one of them, or --batch-size 4 for N micro-batches of 2)",
             ),  # fmt: skip
             Refusal("a clip range outside (0, 1)", ("--epsilon=2",), "--epsilon must be in (0, 1), got 2.0"),
             Refusal(

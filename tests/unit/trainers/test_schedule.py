@@ -57,6 +57,9 @@ def test_gradient_accumulation_sets_the_micro_batch_size():
     assert cfg.micro_batch_size(8, 2) == 2  # the same size given both ways is fine
     with pytest.raises(ValueError, match="micro-batches of 2 trajectories but --micro-batch-size is 3"):
         cfg.micro_batch_size(8, 3)
+    # TRL's per_device_train_batch_size 4 x gradient_accumulation_steps 4: --batch-size 16 here
+    with pytest.raises(ValueError, match=r"or --batch-size 16 for N micro-batches of 4\)$"):
+        cfg.micro_batch_size(8, 4)
     with pytest.raises(ValueError, match="gradient_accumulation_steps 3 does not divide the 8 trajectories"):
         TrainerConfig(batch_size=8, gradient_accumulation_steps=3).micro_batch_size(8, 0)
     assert TrainerConfig().micro_batch_size(8, 3) == 3  # unset: --micro-batch-size as before
