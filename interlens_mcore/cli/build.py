@@ -172,6 +172,11 @@ def check(args: Args) -> TaskSource:
     except ValueError as exc:
         raise UsageError(flagify(str(exc))) from None
     reward_fns(args)
+    if args.launch.eval_only and not source.eval_rows(1, seed=0):
+        raise UsageError(
+            f"--eval-only: task {source.name} has no held-out rows to evaluate "
+            "(a dataset takes them from --eval-dataset or a twentieth of its rows)"
+        )
     sizes.check_sizes(args, source)
     if args.launch.eval_only and args.launch.export_hf is not None:
         raise UsageError("--eval-only trains nothing: --export-hf has nothing new to write (drop one)")

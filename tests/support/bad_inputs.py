@@ -290,6 +290,18 @@ SECTIONS: list[tuple[str, list[Refusal]]] = [
                 "--task guess: bad --task-args {'opponent': 'random'}: …",
             ),
             Refusal(
+                "`--eval-only` on a task without held-out rows",
+                ("--dataset", "{tmp}/one.jsonl", "--eval-only"),
+                "--eval-only: task dataset:one.jsonl has no held-out rows to evaluate (a dataset takes "
+                "them from --eval-dataset or a twentieth of its rows)",
+                files=(("one.jsonl", '{"prompt": "2 + 2 ="}\n'),),
+            ),
+            Refusal(
+                "`--eval-only` with `--export-hf`",
+                ("--eval-only", "--export-hf", "{tmp}/hf"),
+                "--eval-only trains nothing: --export-hf has nothing new to write (drop one)",
+            ),
+            Refusal(
                 "a mistyped task argument",
                 ("--task", "gym:Taxi-v4", "--task-arg", "max_step=30"),
                 "--task-arg max_step: gym:Taxi-v4 takes no max_step (did you mean max_steps?)",
