@@ -38,10 +38,11 @@ def test_eval_only_evaluates_the_checkpoint_and_writes_nothing_else(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     before = sorted(p.relative_to(out) for p in (out / "checkpoints").iterdir())
     lines = (out / "metrics.jsonl").read_text()
-    res = torchrun(*common, "--max_steps", "2", "--resume", "--eval-only", timeout=420)
+    # the run's options, with more held-out rows than its own evaluations played
+    res = torchrun(*common, "--max_steps", "2", "--resume", "--eval-only", "--eval-size", "6", timeout=420)
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])
-    assert summary["step"] == 2 and summary["eval/success_n"] == 8  # 4 rows per rank, 2 ranks
+    assert summary["step"] == 2 and summary["eval/success_n"] == 12  # 6 rows per rank, 2 ranks
     assert "eval/reward" in summary and "eval-only at step 2" in res.stderr
     assert json.loads((out / "eval.jsonl").read_text()) == summary
     # no training, no checkpoint, the run's own log untouched
