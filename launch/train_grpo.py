@@ -29,8 +29,9 @@ from interlens_mcore.cli import (
 )
 from interlens_mcore.cli.args import UsageError, parse
 from interlens_mcore.cli.build import build_trainer, check
-from trainers import preemption
+from trainers import preemption, state
 from trainers.checkpoint import ResumeRefused
+from trainers.report import record
 from trainers.rundir import RunDirError
 
 
@@ -76,6 +77,9 @@ def _main(argv: list[str] | None) -> int:
             start = trainer.resume() if resume else 0  # a refusal here is the run's only line
             if distributed.rank() == 0:
                 print(defaults.describe(args), file=sys.stderr)  # what is not a plain default, and why
+            if args.launch.eval_only:
+                return _evaluate_only(trainer, args.trainer.output_dir)
+            if distributed.rank() == 0 and not args.launch.eval_only:
                 print(f"config: {trainer.run_info}", file=sys.stderr)
                 if start:
                     print(f"resuming at step {start} of {args.trainer.steps}", file=sys.stderr)
@@ -98,6 +102,30 @@ def _main(argv: list[str] | None) -> int:
             trainer.export_hf(args.launch.export_hf)
     finally:
         distributed.destroy()
+    return 0
+
+
+def _evaluate_only(trainer, output_dir: str | None) -> int:
+    """--eval-only: the held-out rows once with the loaded weights; the summary on stderr, one JSON
+    line on stdout (and appended to OUTPUT_DIR/eval.jsonl); nothing trained, no checkpoint."""
+    import json
+    from pathlib import Path
+
+    try:
+        figures = trainer.evaluation()
+    finally:
+        state.release_output_dir(trainer)  # a --resume took the run's folder lock
+    if not figures:
+        return _refuse(f"--eval-only: task {trainer.tasks.name} has no held-out rows to evaluate")
+    line = json.dumps(record.json_ready({"step": trainer.step, **figures}))
+    if distributed.rank() == 0:
+        shown = ", ".join(f"{k} {v:.4g}" for k, v in figures.items() if isinstance(v, float))
+        _say(f"eval-only at step {trainer.step} ({trainer.tasks.name}): {shown}")
+        print(line, flush=True)
+        if output_dir is not None:
+            Path(output_dir).mkdir(parents=True, exist_ok=True)
+            with open(Path(output_dir) / "eval.jsonl", "a") as f:
+                f.write(line + "\n")
     return 0
 
 

@@ -26,11 +26,31 @@ class TrainerConfig:
     batch_size: int = field(
         default=64, metadata={"help": "samples per rank per step: a multiple of --num-generations"}
     )
-    lr: float = field(default=1e-3, metadata={"help": "AdamW learning rate"})
+    lr: float = field(default=1e-3, metadata={"help": "AdamW learning rate (the peak, with a schedule)"})
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = field(
+        default="constant",
+        metadata={
+            "help": "learning rate after the warmup: constant, or decaying (linear, cosine) to 0 at --steps"
+        },
+    )
+    warmup_ratio: float = field(
+        default=0.0, metadata={"help": "share of --steps whose learning rate rises linearly to --lr"}
+    )
+    warmup_steps: int = field(
+        default=0,
+        metadata={"help": "steps whose learning rate rises linearly to --lr (instead of --warmup-ratio)"},
+    )
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
     grad_clip: float = field(default=1.0, metadata={"help": "clip the global gradient norm to this"})
     updates_per_rollout: int = field(
         default=1, metadata={"help": "optimizer steps per rollout batch (> 1: old logprobs recomputed)"}
+    )
+    gradient_accumulation_steps: int = field(
+        default=0,
+        metadata={
+            "help": "micro-batches whose gradients make one optimizer step: a rank's trajectories of a "
+            "step split in N equal parts (sets --micro-batch-size; 0: from --micro-batch-size)"
+        },
     )
     save_every: int = field(
         default=10, metadata={"help": "steps between checkpoints (the last is always saved)"}
@@ -81,7 +101,7 @@ class TrainerConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainerConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("eval_every", "log_completions_every", "log_completions"):
+        for name in ("eval_every", "log_completions_every", "log_completions", "warmup_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"TrainerConfig.{name} must be >= 0, got {getattr(self, name)}")
         for name in ("lr", "weight_decay", "grad_clip"):
@@ -91,6 +111,7 @@ class TrainerConfig:
             raise ValueError(f"TrainerConfig.lr must be > 0, got {self.lr}")
         if not self.grad_clip > 0:
             raise ValueError(f"TrainerConfig.grad_clip must be > 0, got {self.grad_clip}")
+        self._check_schedule()
         if not 0 < self.collective_timeout_s < float("inf"):
             raise ValueError(
                 f"TrainerConfig.collective_timeout_s must be a finite number of seconds > 0, "
@@ -101,6 +122,45 @@ class TrainerConfig:
             raise ValueError(
                 f"TrainerConfig.report_to must list some of {', '.join(REPORTERS)}, got {self.report_to!r}"
             )
+
+    def _check_schedule(self) -> None:
+        if self.gradient_accumulation_steps < 0:
+            n = self.gradient_accumulation_steps
+            raise ValueError(f"TrainerConfig.gradient_accumulation_steps must be >= 0, got {n}")
+        if not 0 <= self.warmup_ratio < 1:  # nan fails too
+            raise ValueError(f"TrainerConfig.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.warmup_ratio and self.warmup_steps:
+            raise ValueError(
+                "TrainerConfig.warmup_steps and --warmup-ratio both set: they say the same thing (keep one)"
+            )
+        if self.lr_scheduler_type not in ("constant", "linear", "cosine"):
+            raise ValueError(
+                "TrainerConfig.lr_scheduler_type must be constant, linear or cosine, "
+                f"got {self.lr_scheduler_type!r}"
+            )
+
+    def micro_batch_size(self, trajectories_per_rank: int, micro_batch_size: int) -> int:
+        """The trajectories of one micro-batch: --gradient-accumulation-steps N splits a rank's
+        `trajectories_per_rank` into N equal micro-batches, else `micro_batch_size` (0: one)."""
+        n = self.gradient_accumulation_steps
+        if not n:
+            return micro_batch_size
+        if trajectories_per_rank % n:
+            raise ValueError(
+                f"TrainerConfig.gradient_accumulation_steps {n} does not divide the {trajectories_per_rank} "
+                "trajectories of a rank's step (--batch-size x trained seats) into equal micro-batches"
+            )
+        size = trajectories_per_rank // n
+        if micro_batch_size and micro_batch_size != size:
+            # TRL's batch is per_device_train_batch_size x gradient_accumulation_steps: say which
+            # --batch-size that is here
+            wanted, rem = divmod(self.batch_size * micro_batch_size * n, trajectories_per_rank)
+            other = f", or --batch-size {wanted} for N micro-batches of {micro_batch_size}" if not rem else ""
+            raise ValueError(
+                f"TrainerConfig.gradient_accumulation_steps {n} makes micro-batches of {size} trajectories "
+                f"but --micro-batch-size is {micro_batch_size} (give one of them{other})"
+            )
+        return size
 
     @property
     def reporters(self) -> list[str]:

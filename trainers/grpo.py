@@ -49,6 +49,7 @@ from .config import TrainerConfig
 from .report import record
 from .report.health import HealthCheck
 from .report.reporter import Reporter
+from .schedule import lr_at
 from .update import update
 
 _EVAL_SEED = 0x65
@@ -97,6 +98,10 @@ class GRPOTrainer:
     ):
         self.config = config = config or TrainerConfig()
         self.rollout_config = rollout_config or RolloutConfig()
+        # --gradient-accumulation-steps N: a rank's trajectories of a step in N equal micro-batches
+        per_rank = config.batch_size * len(tasks.trained_seats)
+        micro = config.micro_batch_size(per_rank, self.rollout_config.micro_batch_size)
+        self.rollout_config = dataclasses.replace(self.rollout_config, micro_batch_size=micro)
         self.loss_config = loss_config or LossConfig()
         self.backend, self.tasks, self.groups, self.tokenizer = backend, tasks, groups, tokenizer
         self.loss_fn = loss_fn
@@ -222,6 +227,8 @@ class GRPOTrainer:
         rcfg = self.rollout_config
         shared = self.share_over_tp(rollout)
         t1 = time.perf_counter()
+        lr = lr_at(self.step, self.config)
+        self.backend.set_lr(lr)  # the schedule's value for this step's updates (trainers/schedule.py)
         batches = micro_batches(
             shared,
             micro_batch_size=rcfg.micro_batch_size,
@@ -250,7 +257,7 @@ class GRPOTrainer:
             # over the world, each rank its own samples: under TP `shared` holds its group's union
             **record.rollout_figures(rollout, components, None, dataset_of=self.tasks.dataset_of),
             **record.train_figures(metrics, skipped_steps=self.skipped_steps),
-            "learning_rate": self.config.lr,  # the optimizers run at a constant rate
+            "learning_rate": lr,  # the schedule's rate of this step (TRL's name)
             "rollout_s": round(t1 - t0, 3),
             "train_s": round(t2 - t1, 3),
             "weight_sync_s": round(sync_s, 4),

@@ -28,6 +28,7 @@ RESUMABLE = {
     "log_completions_every",
     "log_completions",
     "eval_every",
+    "eval_size",  # how many held-out rows an evaluation plays (--eval-only of a run may take more)
     "resume",
     "export_hf",
     "save_on_signal",

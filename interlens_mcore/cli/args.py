@@ -22,6 +22,7 @@ from typing import Any, Literal, NoReturn, get_args, get_origin, get_type_hints
 
 from transformers import HfArgumentParser
 
+from interlens_mcore.cli.aliases import AliasError, alias_flags, aliases_of, rename_argv, rename_keys
 from interlens_mcore.grpo.loss.config import LossConfig
 from interlens_mcore.plugins import working_directory_importable
 from interlens_mcore.rollout.rollouter import RolloutConfig
@@ -88,6 +89,16 @@ class LaunchConfig:
     )
     export_hf: str | None = field(
         default=None, metadata={"help": "write the trained model as an HF folder here"}
+    )
+    system_prompt: str | None = field(
+        default=None, metadata={"help": "a system message put first in every conversation's prompt"}
+    )
+    eval_only: bool = field(
+        default=False,
+        metadata={
+            "help": "evaluate --model (or with --resume the run's newest checkpoint) on the task's "
+            "held-out rows, print the summary and write it to --output-dir/eval.jsonl; no training"
+        },
     )
 
     def __post_init__(self) -> None:
@@ -159,7 +170,9 @@ class _Parser(HfArgumentParser):
 def _suggest(message: str, parser: argparse.ArgumentParser) -> str:
     # "argument --on_timeout/--on-timeout: ..." -> "--on-timeout: ...": one name, the dashed one
     message = re.sub(r"argument --[\w]+/(--[\w-]+)", r"\1", message)
-    known = sorted(s for a in parser._actions for s in a.option_strings if s.startswith("--"))
+    known = sorted(
+        {s for a in parser._actions for s in a.option_strings if s.startswith("--")} | set(alias_flags())
+    )
     unknown = re.findall(r"(--[\w-]+)", message.split("arguments:", 1)[-1]) if "arguments" in message else []
     if not unknown:
         return message
@@ -170,6 +183,10 @@ def parser(description: str, extra: tuple = ()) -> _Parser:
     # transformers annotates the dataclass types it takes too narrowly for a tuple of them
     p = _Parser((*SECTIONS, *extra), description=description, allow_abbrev=False)  # type: ignore[arg-type]
     p.add_argument("--config", help="YAML file of options (keys as the long option names, with _ or -)")
+    for action in p._actions:  # --help shows the TRL / ms-swift names of an option (cli/aliases.py)
+        names = [a.replace("_", "-") for a in aliases_of(action.dest)]
+        if names and action.help:
+            action.help += f" (alias: {', '.join('--' + n for n in names)})"
     return p
 
 
@@ -205,7 +222,10 @@ def parse(argv: list[str] | None, description: str, extra: tuple = ()) -> Args:
     import sys
 
     working_directory_importable()  # the user's MODULE:NAME plug-ins, from where they run it
-    argv = _merge_repeated(list(sys.argv[1:] if argv is None else argv))
+    try:  # TRL / ms-swift names to ours first: repeats and --config are found under our names
+        argv = _merge_repeated(rename_argv(list(sys.argv[1:] if argv is None else argv)))
+    except AliasError as exc:
+        raise UsageError(str(exc)) from None
     p = parser(description, extra)
     config_path = _config_path(argv)
     origins: dict[str, str] = {}
@@ -278,11 +298,15 @@ def read_yaml(path: Path, sections: tuple = SECTIONS) -> dict[str, Any]:
         raise UsageError(f"--config {path}: expected a mapping of option names, got {type(data).__name__}")
     fields = _fields(sections)
     hints = {name: t for cls in sections for name, t in get_type_hints(cls).items()}
+    try:
+        names = rename_keys(data, f"--config {path}")
+    except AliasError as exc:
+        raise UsageError(str(exc)) from None
     out = {}
     for key, value in data.items():
-        name = str(key).replace("-", "_")
+        name = names[str(key)]
         if name not in fields:
-            hint = _closest(name, sorted(fields))
+            hint = _closest(name, sorted({*fields, *(f[2:].replace("-", "_") for f in alias_flags())}))
             raise UsageError(f"--config {path}: unknown key {key!r}{hint.replace('--', '')}")
         if name == "task_args" and isinstance(value, dict):
             value = json.dumps(value)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,8 @@ from interlens_mcore.grpo.rewards import environment_reward, reward_name
 from interlens_mcore.plugins import load_object
 from interlens_mcore.tasks import TaskSource, resolve_task
 from trainers import rundir
+
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # OWNER/NAME, as `from_pretrained` takes a hub id
 
 
 def world_size() -> int:
@@ -60,6 +63,10 @@ def base_source(args: Args) -> TaskSource:
             source = dataset.source(la.dataset, la.prompt_column, la.eval_dataset, **la.task_arguments)
         else:
             source = resolve_task(la.task, la.task_arguments)
+        if la.system_prompt is not None:  # before --tools: their descriptions join the same message
+            from interlens_mcore.cli.system_prompt import SystemPromptSource
+
+            source = SystemPromptSource(source, la.system_prompt)
     except ValueError as exc:
         raise UsageError(flagify(str(exc))) from None
     return source
@@ -155,6 +162,13 @@ def check(args: Args) -> tuple[Args, TaskSource]:
             f"--num-generations {r.num_generations} does not fit --batch-size {t.batch_size}: "
             "the batch must hold whole groups (a positive multiple of num_generations)"
         )
+    if b.model not in (None, "smollm2", "tiny") and not Path(b.model).exists() and HUB_ID.fullmatch(b.model):
+        local = f"models/{b.model.split('/')[1]}"
+        raise UsageError(
+            f"--model {b.model}: no such folder; models are read from a local folder (nothing is "
+            f"downloaded here): get it with `huggingface-cli download {b.model} --local-dir {local}`, "
+            f"then pass --model {local}"
+        )
     if b.model not in (None, "smollm2", "tiny") and not (Path(b.model) / "config.json").is_file():
         raise UsageError(f"--model {b.model}: not an HF checkpoint folder (no config.json)")
     named = b.model in (None, "smollm2", "tiny")  # the assets: HF folders, built here
@@ -181,9 +195,23 @@ def check(args: Args) -> tuple[Args, TaskSource]:
     if args.launch.export_hf is not None and b.backend != "megatron":
         raise UsageError("--export-hf is available with --backend megatron only")
     source = add_tools(args, base)
+    try:
+        t.micro_batch_size(t.batch_size * len(source.trained_seats), r.micro_batch_size)
+    except ValueError as exc:
+        raise UsageError(flagify(str(exc))) from None
     reward_fns(args)
+    if args.launch.eval_only and not source.eval_rows(1, seed=0):
+        raise UsageError(
+            f"--eval-only: task {source.name} has no held-out rows to evaluate "
+            "(a dataset takes them from --eval-dataset or a twentieth of its rows)"
+        )
     sizes.check_sizes(args, source)
-    if t.output_dir is not None:
+    if args.launch.eval_only and args.launch.export_hf is not None:
+        raise UsageError("--eval-only trains nothing: --export-hf has nothing new to write (drop one)")
+    if args.launch.eval_only and not args.launch.resuming(t.output_dir):
+        if t.output_dir is not None:  # eval.jsonl goes there; the folder need not be a run
+            sizes.check_output_dir(Path(t.output_dir))
+    elif t.output_dir is not None:
         sizes.check_output_dir(Path(t.output_dir))
         try:
             rundir.check(
@@ -202,7 +230,8 @@ def run_info(args: Args, source: TaskSource) -> dict[str, Any]:
     fns, weights = reward_fns(args)
     rewards = WeightedRewards(fns, weights)
     described = describe_run(args.trainer, args.rollout, args.loss, source, rewards, world_size())
-    launch = {k: v for k, v in dataclasses.asdict(args.launch).items() if k not in ("resume", "export_hf")}
+    skip = ("resume", "export_hf", "eval_only")  # how this launch uses the run, not what the run is
+    launch = {k: v for k, v in dataclasses.asdict(args.launch).items() if k not in skip}
     return {**described, **dataclasses.asdict(args.backend), **launch}
 
 
@@ -254,6 +283,7 @@ def build_trainer(args: Args, source: TaskSource):
 
     path = model_folder(args)
     tok = tokenizer(args)
+    per_rank = args.trainer.batch_size * len(source.trained_seats)
     backend, groups = build_backend(
         args.backend,
         args.trainer,
@@ -261,8 +291,8 @@ def build_trainer(args: Args, source: TaskSource):
         tokenizer=tok,
         temperature=args.rollout.temperature,
         reference=args.loss.beta > 0,
-        trajectories_per_rank=args.trainer.batch_size * len(source.trained_seats),
-        micro_batch_size=args.rollout.micro_batch_size,
+        trajectories_per_rank=per_rank,
+        micro_batch_size=args.trainer.micro_batch_size(per_rank, args.rollout.micro_batch_size),
     )
     fns, weights = reward_fns(args)
     return GRPOTrainer(

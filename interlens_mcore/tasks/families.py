@@ -53,6 +53,38 @@ def make_source(spec: str, **task_args: Any) -> TaskSource:
         ) from exc
 
 
+def family_factory(family: str) -> Any | None:
+    """The `source(NAME, **task_args)` factory of `family`, or None when its package is missing
+    (`make_source` then says which package to install)."""
+    try:
+        return importlib.import_module(FAMILIES[family][0]).source
+    except ModuleNotFoundError:
+        return None
+
+
+def extra_task_args(family: str, name: str) -> set[str] | None:
+    """The keyword arguments a family's factory passes on through `**` (gym: to `gymnasium.make`
+    and the environment's constructor); None where they cannot be listed."""
+    if family != "gym":
+        return None
+    import inspect
+
+    import gymnasium
+    from gymnasium.envs.registration import load_env_creator
+
+    try:
+        spec = gymnasium.spec(name)
+        entry = spec.entry_point
+        creator = load_env_creator(entry) if isinstance(entry, str) else entry
+        params = inspect.signature(creator).parameters.values()  # type: ignore[arg-type]
+    except Exception:  # an unknown id: gymnasium's own error comes when the source is built
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    make = inspect.signature(gymnasium.make).parameters
+    return {p.name for p in params} | {n for n in make if n not in ("id", "kwargs")}
+
+
 def parse_task_args(pairs: Sequence[str]) -> dict[str, Any]:
     """`["max_attempts=3", "is_slippery=false"]` (the `--task-arg KEY=VALUE` form) as typed values.
 

@@ -13,13 +13,15 @@ keyword arguments.
 
 from __future__ import annotations
 
+import difflib
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 from ..plugins import load_object
 from .base import TaskSource
 from .families import FAMILIES as _LIBRARIES
-from .families import make_source
+from .families import extra_task_args, family_factory, make_source
 from .toy import DuelTasks, GuessTasks
 
 TASKS: dict[str, Callable[..., TaskSource]] = {"guess": GuessTasks, "duel": DuelTasks}
@@ -27,6 +29,9 @@ TASKS: dict[str, Callable[..., TaskSource]] = {"guess": GuessTasks, "duel": Duel
 FAMILIES: dict[str, Callable[..., TaskSource]] = {
     family: (lambda ident, _f=family, **args: make_source(f"{_f}:{ident}", **args)) for family in _LIBRARIES
 }
+
+
+_BUILT_IN = dict(FAMILIES)  # a family registered over one of these is checked by its own factory
 
 
 def register_task(name: str, factory: Callable[..., TaskSource], *, family: bool = False) -> None:
@@ -41,6 +46,7 @@ def known_tasks() -> list[str]:
 def resolve_task(spec: str, task_args: dict[str, Any] | None = None) -> TaskSource:
     """The task source `spec` names, built with `task_args`; ValueError naming --task otherwise."""
     args = dict(task_args or {})
+    check_task_args(spec, args)
     try:
         if spec in TASKS:
             source = TASKS[spec](**args)
@@ -65,3 +71,40 @@ def resolve_task(spec: str, task_args: dict[str, Any] | None = None) -> TaskSour
             "interlens_mcore.tasks.TaskSource"
         )
     return source
+
+
+def check_task_args(spec: str, args: dict[str, Any]) -> None:
+    """ValueError naming the first task argument the factory of `spec` does not take (with the
+    closest name it does), before anything is built. Factories taking `**kwargs` that cannot be
+    listed are left to raise their own error."""
+    accepted = _accepted(spec)
+    if accepted is None:
+        return
+    for key in args:
+        if key not in accepted:
+            match = difflib.get_close_matches(key, sorted(accepted), n=1, cutoff=0.6)
+            takes = ", ".join(sorted(accepted)) or "none"
+            hint = f"did you mean {match[0]}?" if match else f"it takes {takes}"
+            raise ValueError(f"--task-arg {key}: {spec} takes no {key} ({hint})")
+
+
+def _accepted(spec: str) -> set[str] | None:
+    """The task argument names `spec`'s factory takes, or None when they cannot be told."""
+    family, _, ident = spec.partition(":")
+    skip_first = False
+    factory: Any = TASKS.get(spec)
+    if factory is None and ident and family in _LIBRARIES and FAMILIES[family] is _BUILT_IN[family]:
+        factory, skip_first = family_factory(family), True
+    if factory is None:
+        return None  # a registered family, or MODULE:FACTORY: checked when it is loaded
+    try:
+        params = list(inspect.signature(factory).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if skip_first:
+        params = params[1:]
+    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        extra = extra_task_args(family, ident) if skip_first else None
+        return None if extra is None else names | extra
+    return names

@@ -72,6 +72,35 @@ SECTIONS: list[tuple[str, list[Refusal]]] = [
                 "--on-timeout: invalid choice: 'later' (choose from 'zero', 'drop')",
             ),
             Refusal(
+                "a TRL name given with ours",
+                ("--lr", "1e-3", "--learning_rate", "1e-4"),
+                "--learning-rate and --lr both given: one option, two names (keep one)",
+            ),
+            Refusal(
+                "a mistyped TRL name",
+                ("--max-completion-lenght", "64"),
+                "unrecognized arguments: --max-completion-lenght (did you mean --max-completion-length?)",
+            ),
+            Refusal(
+                "`--max-prompt-length` (no counterpart)",
+                ("--max-prompt-length", "512"),
+                "--max-prompt-length: prompts are never truncated here (a turn's cap is --max-new-tokens); "
+                "shorten the dataset's prompts instead",
+            ),
+            Refusal(
+                "`--logging-steps` (every step is logged)",
+                ("--logging_steps", "5"),
+                "--logging-steps: every step is logged here (metrics.jsonl); sample completions every "
+                "--log-completions-every steps",
+            ),
+            Refusal(
+                "`num_train_epochs` in YAML (runs count steps)",
+                ("--config", "{tmp}/run.yaml"),
+                "--config {tmp}/run.yaml: num_train_epochs: runs are counted in steps here: use --steps N "
+                "(each step draws --batch-size / --num-generations prompts per rank)",
+                files=(("run.yaml", "num_train_epochs: 3\n"),),
+            ),
+            Refusal(
                 "--resume with an unknown value",
                 ("--resume", "maybe"),
                 "--resume must be one of no, yes, auto, got 'maybe'",
@@ -94,6 +123,29 @@ SECTIONS: list[tuple[str, list[Refusal]]] = [
                 ("--reward-weights", "nan"),
                 "--reward-weights must be finite numbers, got [nan]",
             ),
+            Refusal(
+                "a warmup ratio outside [0, 1)",
+                ("--warmup-ratio", "1.5"),
+                "--warmup-ratio must be in [0, 1), got 1.5",
+            ),
+            Refusal(
+                "--warmup-steps and --warmup-ratio together",
+                ("--warmup-steps", "3", "--warmup-ratio", "0.1"),
+                "--warmup-steps and --warmup-ratio both set: they say the same thing (keep one)",
+            ),
+            Refusal(
+                "accumulation steps that do not divide the batch",
+                ("--batch-size", "8", "--num-generations", "4", "--gradient-accumulation-steps", "3"),
+                "--gradient-accumulation-steps 3 does not divide the 8 trajectories of a rank's step "
+                "(--batch-size x trained seats) into equal micro-batches",
+            ),
+            Refusal(
+                "accumulation steps and another micro-batch size",
+                ("--batch-size", "8", "--num-generations", "4", "--gradient-accumulation-steps", "2",
+                 "--per-device-train-batch-size", "2"),
+                "--gradient-accumulation-steps 2 makes micro-batches of 4 trajectories but "
+                "--micro-batch-size is 2 (give one of them, or --batch-size 4 for N micro-batches of 2)",
+            ),  # fmt: skip
             Refusal("a clip range outside (0, 1)", ("--epsilon=2",), "--epsilon must be in (0, 1), got 2.0"),
             Refusal(
                 "a step time limit <= 0",
@@ -140,6 +192,14 @@ SECTIONS: list[tuple[str, list[Refusal]]] = [
                 ("--pp", "2"),
                 "--pp 2: pipeline parallelism is not supported yet (docs/parallelism.md says how it would "
                 "fit); use --pp 1",
+            ),
+            Refusal(
+                "a hub id as `--model` (nothing is downloaded)",
+                ("--model", "Qwen/Qwen2.5-0.5B-Instruct"),
+                "--model Qwen/Qwen2.5-0.5B-Instruct: no such folder; models are read from a local folder "
+                "(nothing is downloaded here): get it with `huggingface-cli download "
+                "Qwen/Qwen2.5-0.5B-Instruct --local-dir models/Qwen2.5-0.5B-Instruct`, then pass "
+                "--model models/Qwen2.5-0.5B-Instruct",
             ),
             Refusal(
                 "`--model` without config.json",
@@ -228,6 +288,23 @@ SECTIONS: list[tuple[str, list[Refusal]]] = [
                 "a task option the task does not take",
                 ("--task", "guess", "--task-args", '{"opponent": "random"}'),
                 "--task guess: bad --task-args {'opponent': 'random'}: …",
+            ),
+            Refusal(
+                "`--eval-only` on a task without held-out rows",
+                ("--dataset", "{tmp}/one.jsonl", "--eval-only"),
+                "--eval-only: task dataset:one.jsonl has no held-out rows to evaluate (a dataset takes "
+                "them from --eval-dataset or a twentieth of its rows)",
+                files=(("one.jsonl", '{"prompt": "2 + 2 ="}\n'),),
+            ),
+            Refusal(
+                "`--eval-only` with `--export-hf`",
+                ("--eval-only", "--export-hf", "{tmp}/hf"),
+                "--eval-only trains nothing: --export-hf has nothing new to write (drop one)",
+            ),
+            Refusal(
+                "a mistyped task argument",
+                ("--task", "gym:Taxi-v4", "--task-arg", "max_step=30"),
+                "--task-arg max_step: gym:Taxi-v4 takes no max_step (did you mean max_steps?)",
             ),
             Refusal(
                 "--task-args that is not an object",

@@ -13,6 +13,7 @@ object with these members::
         def logprobs_of(self, batch, *, reference=False): ...  # [B, T], with grad for the policy
         def backward(self, loss): ...
         def optimizer_step(self) -> float: ...  # global grad norm; skip the update if not finite
+        def set_lr(self, lr): ...               # the learning rate of the next optimizer steps
         def save(self, folder): ...
         def load(self, folder): ...
         def export_hf(self, out_dir): ...
@@ -69,6 +70,9 @@ class Backend(Protocol):
         skip. Every rank must reach the same decision, which holds because every rank returns
         the same global norm.
         """
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the optimizer steps that follow (the loop sets it every step)."""
 
     def save(self, folder: Path) -> None:
         """Write model and optimizer state of this rank into `folder` (collective)."""

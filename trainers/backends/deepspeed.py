@@ -218,6 +218,11 @@ class DeepSpeedBackend:
         norm = self.ds.get_global_grad_norm()
         return float(norm) if norm is not None else 0.0
 
+    def set_lr(self, lr: float) -> None:
+        """See `Backend.set_lr`: the ZeRO optimizer's param groups are the wrapped Adam's."""
+        for group in self.ds.optimizer.param_groups:
+            group["lr"] = lr
+
     def sync_engine_weights(self) -> float:
         """See `Backend.sync_engine_weights`: ZeRO-3 gathers each parameter (collective over DP).
 

@@ -207,6 +207,11 @@ class MegatronBackend:
         """See `Backend.optimizer_step`: one global norm on every rank, a non-finite one skips."""
         return self.training.step()
 
+    def set_lr(self, lr: float) -> None:
+        """See `Backend.set_lr`: torch's AdamW and megatron's optimizers both read their param groups."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
     def sync_engine_weights(self) -> float:
         """See `Backend.sync_engine_weights`: TP shards gathered into vLLM (collective over TP)."""
         return self.colocated.sync() if self.colocated is not None else 0.0

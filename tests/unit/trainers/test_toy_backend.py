@@ -100,3 +100,42 @@ def test_an_unknown_backend_names_the_flag_and_the_known_ones():
         builder("fsdp")
     with pytest.raises(ValueError, match=f"BackendConfig.backend 'fsdp': {expected}"):
         BackendConfig(backend="fsdp")
+
+
+def test_the_loop_sets_the_scheduled_lr_and_accumulates_micro_batches(toy, tiny_path, tmp_path):
+    """--warmup-steps 3: the backend's optimizer runs at lr/3, then 2lr/3, each logged as `lr`;
+    --gradient-accumulation-steps 2 cuts a rank's 4 trajectories into 2 micro-batches."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    config = TrainerConfig(
+        steps=2, batch_size=4, eval_every=0, lr=3e-3, warmup_steps=3, gradient_accumulation_steps=2,
+        output_dir=str(tmp_path / "run"),
+    )  # fmt: skip
+    backend, groups = build_backend(
+        BackendConfig(backend="toy"),
+        config,
+        model_path=tiny_path,
+        tokenizer=tokenizer,
+        temperature=1.0,
+        reference=False,
+        trajectories_per_rank=4,
+        micro_batch_size=2,
+    )
+    seen = []
+    step = backend.optimizer_step
+    backend.optimizer_step = lambda: (seen.append(backend.optimizer.param_groups[0]["lr"]), step())[1]
+    trainer = GRPOTrainer(
+        backend=backend,
+        tasks=GuessTasks(),
+        groups=groups,
+        tokenizer=tokenizer,
+        config=config,
+        rollout_config=RolloutConfig(num_generations=2, max_new_tokens=4),
+        loss_config=LossConfig(beta=0.0),
+        rewards=[environment_reward, sampled_token_sum],
+    )
+    assert trainer.rollout_config.micro_batch_size == 2
+    records = trainer.train()
+    assert [r["learning_rate"] for r in records] == pytest.approx([1e-3, 2e-3])
+    assert seen == pytest.approx([1e-3, 2e-3])  # what the optimizer stepped with
+    written = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["learning_rate"] for r in written] == pytest.approx([1e-3, 2e-3])
