@@ -11,13 +11,32 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Protocol
 
 from interlens_mcore import distributed
 from interlens_mcore.distributed.safe_load import UnsafeCheckpoint, check_checkpoint
 
 from . import checkpoint, own_state, rundir
+from .backends.base import Backend
+from .config import TrainerConfig
 from .report.reporter import METRICS_FILE, read_jsonl
+
+
+class Persistent(Protocol):
+    """What of a trainer its persistent state reads and sets (GRPOTrainer is one)."""
+
+    config: TrainerConfig
+    backend: Backend
+    groups: distributed.ParallelGroups
+    output_dir: Path
+    run_info: dict[str, object]
+    step: int
+    skipped_steps: int
+    resumed: bool
+    claim: FolderClaim | None
+
+    @property
+    def checkpoint_root(self) -> Path: ...
 
 
 @dataclass
@@ -31,7 +50,7 @@ class FolderClaim:
             self.handle.close()
 
 
-def take_output_dir(trainer: Any, *, resume: bool) -> FolderClaim:
+def take_output_dir(trainer: Persistent, *, resume: bool) -> FolderClaim:
     """Rank 0 locks and checks the folder (rundir.lock) unless this trainer holds it already."""
     if trainer.claim is None:
         handle, error = None, None
@@ -47,7 +66,7 @@ def take_output_dir(trainer: Any, *, resume: bool) -> FolderClaim:
     return trainer.claim
 
 
-def claim_output_dir(trainer: Any) -> FolderClaim:
+def claim_output_dir(trainer: Persistent) -> FolderClaim:
     """The folder taken for training: locked (see `take_output_dir`), `run.json` written."""
     claim = take_output_dir(trainer, resume=trainer.resumed)
     if distributed.rank() == 0:
@@ -57,13 +76,13 @@ def claim_output_dir(trainer: Any) -> FolderClaim:
     return claim
 
 
-def release_output_dir(trainer: Any) -> None:
+def release_output_dir(trainer: Persistent) -> None:
     if trainer.claim is not None:
         trainer.claim.release()
         trainer.claim = None
 
 
-def save_checkpoint(trainer: Any) -> Path:
+def save_checkpoint(trainer: Persistent) -> Path:
     def write(folder: Path) -> None:
         trainer.backend.save(folder)
         own = own_state.TrainerState.capture(step=trainer.step, skipped_steps=trainer.skipped_steps)
@@ -82,14 +101,14 @@ def save_checkpoint(trainer: Any) -> Path:
     return final
 
 
-def save_on_stop(trainer: Any, start: int) -> None:
+def save_on_stop(trainer: Persistent, start: int) -> None:
     """A run stopped at a step boundary saves its last step, unless the loop just did (or ran none)."""
     cfg = trainer.config
     if trainer.step != start and trainer.step % cfg.save_every and trainer.step != cfg.steps:
         save_checkpoint(trainer)
 
 
-def resume(trainer: Any) -> int:
+def resume(trainer: Persistent) -> int:
     """Load the newest intact checkpoint, if any; returns the step to continue from.
 
     The folder is locked first. Rank 0 verifies the checkpoints newest first against their
@@ -122,7 +141,7 @@ def resume(trainer: Any) -> int:
             print(f"checkpoint {name} does not load (rank {r}: {why}), kept as {kept}", file=sys.stderr)
 
 
-def _load(trainer: Any, folder: Path) -> str | None:
+def _load(trainer: Persistent, folder: Path) -> str | None:
     """Load `folder` into the backend and the trainer; None, or why it failed on this rank."""
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
@@ -145,7 +164,7 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"[:300] if text else type(exc).__name__
 
 
-def _choose(trainer: Any) -> tuple[str | None, str | None]:
+def _choose(trainer: Persistent) -> tuple[str | None, str | None]:
     """(newest intact checkpoint's name or None, refusal or None); says why on stderr (rank 0)."""
     root = trainer.checkpoint_root
     good, bad = checkpoint.newest_intact(root)
@@ -173,7 +192,7 @@ def _choose(trainer: Any) -> tuple[str | None, str | None]:
     return (good.name if good is not None else None), None
 
 
-def _gone(trainer: Any, good: Path | None, set_aside: list[str]) -> str | None:
+def _gone(trainer: Persistent, good: Path | None, set_aside: list[str]) -> str | None:
     """Why resuming would silently redo steps whose checkpoint was deleted, or None."""
     out, root = trainer.output_dir, trainer.checkpoint_root
     last = _last_checkpoint(out)

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 from interlens_mcore.cli.args import Args, UsageError
+from interlens_mcore.tasks import TaskSource
 
 SAMPLE_BYTES = 512
 # kernel filesystems: their folders refuse new files even to root, whatever their modes say
@@ -34,7 +34,7 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:,.1f} GiB"
 
 
-def check_sizes(args: Args, source: Any) -> None:
+def check_sizes(args: Args, source: TaskSource) -> None:
     """UsageError naming the flag when one step's samples, or the held-out rows, cannot fit."""
     t = args.trainer
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # ranks sharing this machine's memory

@@ -12,11 +12,11 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from interlens_mcore.rollout.conversation import Participant, Policy
-from interlens_mcore.tasks.base import TaskSource
-from interlens_mcore.types import Message
+from interlens_mcore.tasks.base import Task, TaskSource
+from interlens_mcore.types import Message, Trajectory
 
 
 def _joined(text: str, existing: str | None) -> str:
@@ -27,7 +27,7 @@ def _joined(text: str, existing: str | None) -> str:
 class SystemPromptTask:
     """A lineup row whose opening transcript starts with the system prompt."""
 
-    inner: Any
+    inner: Task
     text: str
 
     @property
@@ -52,7 +52,7 @@ class SystemPromptTask:
         return getattr(self.inner, name)
 
 
-def with_system_messages(row: Any, text: str, where: str) -> Any:
+def with_system_messages(row: object, text: str, where: str) -> object:
     """A scheduler row (a message list, or a dict holding `messages`) with the system prompt first."""
     row = copy.deepcopy(row)
     messages = row.get("messages") if isinstance(row, dict) else row
@@ -78,15 +78,15 @@ class SystemPromptSource(TaskSource):
         self.name, self.reward_key, self.stop = source.name, source.reward_key, source.stop
         self.trained_seats, self.frozen_seats = source.trained_seats, source.frozen_seats
 
-    def _wrap(self, rows: list[Any]) -> list[Any]:
+    def _wrap(self, rows: list[object]) -> list[object]:
         if self.source.scheduler() is not None:
             return [with_system_messages(r, self.text, self.source.name) for r in rows]
-        return [SystemPromptTask(inner=r, text=self.text) for r in rows]
+        return [SystemPromptTask(inner=cast(Task, r), text=self.text) for r in rows]  # lineup rows
 
-    def rows(self, n: int, *, seed: int) -> list[Any]:
+    def rows(self, n: int, *, seed: int) -> list[object]:
         return self._wrap(self.source.rows(n, seed=seed))
 
-    def eval_rows(self, n: int, *, seed: int) -> list[Any]:
+    def eval_rows(self, n: int, *, seed: int) -> list[object]:
         return self._wrap(self.source.eval_rows(n, seed=seed))
 
     def scheduler(self) -> Any | None:
@@ -98,7 +98,7 @@ class SystemPromptSource(TaskSource):
     def evaluate(self, rollouter: Any, rows: list[Any], step: int) -> Any:
         return self.source.evaluate(rollouter, rows, step)
 
-    def success_of(self, trajectory: Any) -> float | None:
+    def success_of(self, trajectory: Trajectory) -> float | None:
         return self.source.success_of(trajectory)
 
     def option_defaults(self) -> dict[str, object]:
