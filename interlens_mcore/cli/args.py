@@ -198,13 +198,20 @@ def _merge_repeated(argv: list[str]) -> list[str]:
     ]
 
 
-def parse(argv: list[str] | None, description: str, extra: tuple = ()) -> Args:
-    """The five sections (and a script's `extra` dataclasses) from YAML and the command line."""
+def parse(
+    argv: list[str] | None, description: str, extra: tuple = (), defaults: dict[str, Any] | None = None
+) -> Args:
+    """The five sections (and a script's `extra` dataclasses) from YAML and the command line.
+
+    `defaults` (field name -> value, a script's own: the rollout script's run.json) sit between
+    the library defaults and the YAML.
+    """
     import sys
 
     working_directory_importable()  # the user's MODULE:NAME plug-ins, from where they run it
     argv = _merge_repeated(list(sys.argv[1:] if argv is None else argv))
     p = parser(description, extra)
+    p.set_defaults(**(defaults or {}))
     config_path = _config_path(argv)
     if config_path is not None:
         p.set_defaults(**read_yaml(Path(config_path), (*SECTIONS, *extra)))

@@ -66,6 +66,18 @@ def _mark_superseded(path: Path, start: int) -> None:
         os.replace(tmp, path)
 
 
+def progress_bar(total: int, *, initial: int = 0, desc: str = "grpo") -> tqdm:
+    """The progress line on stderr: `desc`, steps done of `total`, figures as its postfix."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, file=sys.stderr)
+
+
+def fmt(value: float | None, digits: int) -> str:
+    """A figure of the progress line: `-` when missing or not finite."""
+    return "-" if value is None or not math.isfinite(value) else f"{value:.{digits}f}"
+
+
 class Reporter:
     """Writes what rank 0 sees; on other ranks every method does nothing."""
 
@@ -114,9 +126,7 @@ class Reporter:
                 resume="allow",
                 id=self.out.name.replace(".", "-"),
             )
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=total, initial=start, desc="grpo", dynamic_ncols=True, file=sys.stderr)
+        self.bar = progress_bar(total, initial=start)
 
     def log(self, record: dict) -> None:
         if not self.enabled:
@@ -134,7 +144,7 @@ class Reporter:
         if "reward_mean" in record and self.bar is not None:
             shown = {"reward": ("reward_mean", 3), "kl": ("kl", 4), "is_w": ("is_weight_mean", 3)}
             shown.update({"eval": ("eval/success_rate", 2)} if "eval/success_rate" in record else {})
-            self.bar.set_postfix({name: _fmt(record.get(k), d) for name, (k, d) in shown.items()})
+            self.bar.set_postfix({name: fmt(record.get(k), d) for name, (k, d) in shown.items()})
             self.bar.update(1)
 
     def completions(self, step: int, samples: list[dict]) -> None:
@@ -218,10 +228,6 @@ def _mean(values: list[float]) -> float:
 def _duration(seconds: float) -> str:
     m, s = divmod(int(round(seconds)), 60)
     return f"{m} min {s} s" if m else f"{s} s"
-
-
-def _fmt(value: float | None, digits: int) -> str:
-    return "-" if value is None or not math.isfinite(value) else f"{value:.{digits}f}"
 
 
 def _cell(text: str) -> str:
