@@ -155,8 +155,9 @@ def options(argv: list[str]) -> tuple[Args, Path | None, str]:
     """Parsed options, with the checkpoint's run under them; (args, checkpoint folder, what was said)."""
     refused = sorted(typed_flags(argv) & TRAINING_ONLY)
     if refused:
+        what = "a training option" if len(refused) == 1 else "training options"
         raise UsageError(
-            f"{flag(refused[0])}: a training option; rollout.py does not train "
+            f"{', '.join(map(flag, refused))}: {what}; rollout.py does not train "
             "(launch/rollout.py --help lists its options)"
         )
     path = value_of(argv, "--checkpoint")

@@ -11,6 +11,7 @@ import pytest
 from support.launch import ROOT, SMALL, env, torchrun
 
 ROLLOUT = ROOT / "launch" / "rollout.py"
+LOOK = SMALL[: SMALL.index("--save-every")]  # SMALL's rollout options (the rest are training ones)
 # a run that differs from the defaults in its task and sampling: self-play duel, 3-token turns
 DUEL = ["--task", "duel", "--batch-size", "4", "--num-generations", "2", "--max-new-tokens", "3"]
 DUEL += ["--eval-size", "2", "--save-every", "2"]
@@ -71,17 +72,17 @@ def test_its_own_short_help_and_training_options_refused():
     assert {"--checkpoint", "--steps", "--task", "--max-new-tokens", "--temperature"} <= listed
     assert not {"--lr", "--beta", "--save-every", "--eval-every", "--resume", "--export-hf"} & listed
     assert "optimizer steps" not in res.stdout and "rollout rounds" in res.stdout
-    res = rollout_here("--lr", "0.1")
+    res = rollout_here("--lr", "0.1", "--save-every=2", *LOOK)
     assert res.returncode == 2
     assert res.stderr.strip().splitlines() == [
-        "rollout.py: error: --lr: a training option; rollout.py does not train "
+        "rollout.py: error: --lr, --save-every: training options; rollout.py does not train "
         "(launch/rollout.py --help lists its options)"
     ]
 
 
 def test_rollout_jsonl(tmp_path):
     out = tmp_path / "look"
-    res = torchrun("--output-dir", str(out), "--steps", "1", *SMALL, script=ROLLOUT)
+    res = torchrun("--output-dir", str(out), "--steps", "1", *LOOK, script=ROLLOUT)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
     assert len(rows) == 2 * 8  # two ranks, batch size 8 each
@@ -106,7 +107,7 @@ def test_rollout_from_a_training_checkpoint(tmp_path):
         str(out),
         "--steps",
         "1",
-        *SMALL,
+        *LOOK,
         script=ROLLOUT,
     )
     assert res.returncode == 0, res.stderr[-3000:]
@@ -127,7 +128,7 @@ def test_an_environment_raising_on_one_rank_ends_both_named(tmp_path):
 
     (tmp_path / "faulty.py").write_text(FAULTY)
     out = tmp_path / "look"
-    args = ["--task", "faulty:make", "--output-dir", str(out), "--steps", "5", *SMALL]
+    args = ["--task", "faulty:make", "--output-dir", str(out), "--steps", "5", *LOOK]
     res = torchrun(*args, script=ROLLOUT, cwd=tmp_path, FAULT="raise")
     assert res.returncode == 1, res.stderr[-3000:]
     # both ranks name rank 1's environment (its conversations of step 3 raise)
