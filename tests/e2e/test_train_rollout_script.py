@@ -6,9 +6,10 @@ import json
 import re
 import subprocess
 import sys
+import time
 
 import pytest
-from support.launch import ROOT, SMALL, env, torchrun
+from support.launch import ROOT, SMALL, env, kill_all, torchrun
 
 ROLLOUT = ROOT / "launch" / "rollout.py"
 LOOK = SMALL[: SMALL.index("--save-every")]  # SMALL's rollout options (the rest are training ones)
@@ -137,3 +138,22 @@ def test_an_environment_raising_on_one_rank_ends_both_named(tmp_path):
     # written as it went: the rounds before the failure are there, whole
     rows = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [s for s in (0, 1, 2) for _ in range(2 * 8)]
+
+
+def test_a_killed_rollout_keeps_the_rounds_it_wrote(tmp_path):
+    out, err = tmp_path / "look", tmp_path / "stderr"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROLLOUT)]
+    cmd += ["--output-dir", str(out), "--steps", "500", *LOOK]
+    path, deadline = out / "rollouts.jsonl", time.monotonic() + 240
+    with err.open("w") as stderr:
+        proc = subprocess.Popen(cmd, env=env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr)
+        try:
+            while not (path.is_file() and path.read_text().count("\n") >= 2 * 16):
+                assert proc.poll() is None, err.read_text()[-3000:]
+                assert time.monotonic() < deadline, "no two rounds written within 240 s"
+                time.sleep(0.2)
+        finally:
+            kill_all(proc)  # SIGKILL, mid-way through the 500 rounds
+    text = path.read_text()
+    rows = [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]  # whole lines
+    assert [r["step"] for r in rows][: 2 * 16] == [s for s in (0, 1) for _ in range(16)]  # whole rounds
