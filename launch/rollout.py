@@ -182,7 +182,9 @@ def options(argv: list[str]) -> tuple[Args, Path | None, str]:
     # no loss is computed: no reference model is built for it
     args = dataclasses.replace(args, loss=dataclasses.replace(args.loss, beta=0.0))
     rounds = f"{args.trainer.steps} round(s)" + ("" if rounds_given else " (the default; --steps N for more)")
-    return args, folder, f"{rounds} of --task {args.launch.task}, {origin}"
+    la = args.launch
+    task = f"--dataset {la.dataset}" if la.dataset is not None else f"--task {la.task}"
+    return args, folder, f"{rounds} of {task}, {origin}"
 
 
 def check_loadable(args: Args, run: dict[str, Any], folder: Path) -> None:
@@ -191,9 +193,9 @@ def check_loadable(args: Args, run: dict[str, Any], folder: Path) -> None:
     fixed = FIXED + (FIXED_DEEPSPEED if run.get("backend") == "deepspeed" else ())
     for name in fixed:
         if name in run and effective[name] != run[name]:
-            said = run[name] if run[name] is not None else "its default"
+            now, then = (v if v is not None else "(the default)" for v in (effective[name], run[name]))
             raise UsageError(
-                f"{flag(name)} {effective[name]}: checkpoint {folder} was trained with {flag(name)} {said}, "
+                f"{flag(name)} {now}: checkpoint {folder} was trained with {flag(name)} {then}, "
                 f"and its weights load only so (drop {flag(name)})"
             )
     if run.get("backend") == "deepspeed" and run.get("world_size") not in (None, world_size()):
