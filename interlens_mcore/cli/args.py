@@ -140,7 +140,7 @@ class Args:
     rollout: RolloutConfig
     loss: LossConfig
     extra: tuple = ()  # the script's own sections, in the order it passed them
-    # option name -> "YAML" or "command line" for each option the user set (the rest: defaults)
+    # option name -> "run.json", "YAML" or "command line" for each option set (the rest: defaults)
     origins: dict[str, str] = field(default_factory=dict)
 
 
@@ -217,8 +217,14 @@ def _merge_repeated(argv: list[str]) -> list[str]:
     ]
 
 
-def parse(argv: list[str] | None, description: str, extra: tuple = ()) -> Args:
-    """The five sections (and a script's `extra` dataclasses) from YAML and the command line."""
+def parse(
+    argv: list[str] | None, description: str, extra: tuple = (), defaults: dict[str, Any] | None = None
+) -> Args:
+    """The five sections (and a script's `extra` dataclasses) from YAML and the command line.
+
+    `defaults` (field name -> value, a script's own: the rollout script's run.json) sit between
+    the library defaults and the YAML.
+    """
     import sys
 
     working_directory_importable()  # the user's MODULE:NAME plug-ins, from where they run it
@@ -227,8 +233,10 @@ def parse(argv: list[str] | None, description: str, extra: tuple = ()) -> Args:
     except AliasError as exc:
         raise UsageError(str(exc)) from None
     p = parser(description, extra)
+    p.set_defaults(**(defaults or {}))
     config_path = _config_path(argv)
-    origins: dict[str, str] = {}
+    # the run's own values were the effective ones, a task's defaults included: kept as given
+    origins: dict[str, str] = dict.fromkeys(defaults or {}, "run.json")
     if config_path is not None:
         from_yaml = read_yaml(Path(config_path), (*SECTIONS, *extra))
         p.set_defaults(**from_yaml)

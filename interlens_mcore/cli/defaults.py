@@ -12,7 +12,7 @@ import dataclasses
 
 from interlens_mcore.cli.args import SECTIONS, Args, UsageError, flag
 
-USER = ("YAML", "command line")  # the origins `apply` never overrides
+USER = ("run.json", "YAML", "command line")  # the origins `apply` never overrides
 
 # what a policy that calls tools needs, whatever the task under it: room for a call in one reply
 TOOL_DEFAULTS: dict[str, object] = {"max_new_tokens": 128}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import shutil
 import signal
 import subprocess
@@ -12,7 +13,18 @@ import threading
 import time
 from pathlib import Path
 
-from support.launch import ROOT, SMALL, TRAIN, children, env, kill_all, metrics, python, torchrun
+from support.launch import (
+    ROOT,
+    SMALL,
+    TRAIN,
+    children,
+    env,
+    evaluations,
+    kill_all,
+    metrics,
+    python,
+    torchrun,
+)
 
 STEPS = 6
 
@@ -63,6 +75,20 @@ def test_resume_after_sigkill(tmp_path):
     assert [r["step"] for r in metrics(out)] == list(range(STEPS))
     done = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert done[-1] == f"step-{STEPS:06d}" and all(not n.startswith(".tmp") for n in done)
+
+
+def test_extending_a_run_keeps_every_line_already_written(tmp_path):
+    out = tmp_path / "run"
+    res = torchrun("--output-dir", str(out), "--steps", "2", *SMALL)
+    assert res.returncode == 0, res.stderr[-3000:]
+    first = (out / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(first[-1]).keys() >= {"step", "eval/success_rate"}  # the final evaluation, step 2
+    res = torchrun("--output-dir", str(out), "--steps", "4", *SMALL, "--resume")
+    assert res.returncode == 0, res.stderr[-3000:]
+    second = (out / "metrics.jsonl").read_text().splitlines()
+    assert second[: len(first)] == first  # every line, unchanged and in its place
+    assert [r["step"] for r in metrics(out)] == [0, 1, 2, 3]
+    assert [r["step"] for r in evaluations(out)] == [0, 2, 4]
 
 
 def test_resume_with_changed_options_is_refused(tmp_path):

@@ -85,17 +85,21 @@ def python(*args: str, timeout: float = 120, **extra_env: str) -> subprocess.Com
 
 
 def metrics(out: Path) -> list[dict]:
-    """The training steps' records (the end-of-run evaluation line left out: see `evaluations`)."""
-    return [r for r in all_records(out) if "reward_mean" in r]
+    """The training steps' current records (the end-of-run evaluation line left out: see
+    `evaluations`; lines a resumption superseded left out: see `all_records`)."""
+    return [r for r in all_records(out) if "reward_mean" in r and not r.get("superseded")]
 
 
 def all_records(out: Path) -> list[dict]:
+    """Every line of metrics.jsonl, superseded ones included."""
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def evaluations(out: Path) -> list[dict]:
-    """Every record holding evaluation figures, the end-of-run one (step == steps) included."""
-    return [r for r in all_records(out) if any(k.startswith("eval/") for k in r)]
+    """Every current record holding evaluation figures, the end-of-run one (step == steps) included."""
+    return [
+        r for r in all_records(out) if any(k.startswith("eval/") for k in r) and not r.get("superseded")
+    ]
 
 
 def train_main():

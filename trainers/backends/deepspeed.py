@@ -6,15 +6,28 @@ DP group, so generation is collective over it: the HF engine runs in lockstep mo
 (`sync_group`) and the rollout vote covers the same group. Below stage 3 each rank generates
 on its own, and so does a colocated vLLM (`vllm=VLLMConfig(...)`, TP=1 on every rank) at any
 stage: it holds whole weights, which `sync_engine_weights` gathers into it after each step.
+
+Starting: DeepSpeed's communication init JIT-builds its `deepspeed_shm_comm` op into the shared
+torch extensions folder, and a build killed midway leaves a `lock` file there on which every
+later build of that op waits forever. Training never calls the op (it serves DeepSpeed
+inference's `inference_all_reduce` only), so `start` marks it unavailable and nothing is built;
+it names any build lock left in the extensions folder in one line, and a start still waiting
+after a minute says where it waits (a build lock by its path).
 """
 
 from __future__ import annotations
 
 import math
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Any
 
 import torch
+from torch.utils.file_baton import FileBaton
 from transformers import PreTrainedTokenizerBase
 
 from interlens_mcore import distributed
@@ -96,6 +109,83 @@ def deepspeed_config(
     }
 
 
+SHM_OP = "deepspeed_shm_comm"
+START_PATIENCE_S = 60.0
+
+
+def start(model: torch.nn.Module, ds_config: dict) -> Any:
+    """`deepspeed.initialize` without the shm op's JIT build; the engine (see the module docstring)."""
+    import deepspeed
+    import deepspeed.ops
+
+    # read by DeepSpeed's TorchBackend before it builds the op (deepspeed/comm/torch.py, build_shm_op);
+    # the dict is probed once and kept, so the edit holds
+    deepspeed.ops.__compatible_ops__[SHM_OP] = False
+    locks = build_locks()
+    if locks and distributed.rank() == 0:
+        print(
+            f"deepspeed: build lock(s) {', '.join(map(str, locks))} in the torch extensions folder, left "
+            "by a build that was killed unless one runs now: delete them (this start builds nothing, "
+            "but any start that builds those ops waits on them forever)",
+            file=sys.stderr,
+            flush=True,
+        )
+    with said_if_slow("deepspeed.initialize", after_s=START_PATIENCE_S):
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=ds_config
+        )
+    return engine
+
+
+def build_locks() -> list[Path]:
+    """The `lock` files of torch extension builds (torch.utils.cpp_extension's FileBaton) under
+    TORCH_EXTENSIONS_DIR, or the default build root (one folder per Python and device in it)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    return sorted({p for pattern in ("*/lock", "*/*/lock") for p in root.glob(pattern)})
+
+
+@contextmanager
+def said_if_slow(what: str, *, after_s: float, out: IO[str] | None = None) -> Iterator[None]:
+    """Run the block; if it has not ended after `after_s`, print once where this thread waits."""
+    waiting = threading.get_ident()
+    done = threading.Event()
+
+    def report() -> None:
+        if not done.wait(after_s):
+            print(
+                f"{what}: still waiting after {after_s:g} s, {where(waiting)}",
+                file=out or sys.stderr,
+                flush=True,
+            )
+
+    watcher = threading.Thread(target=report, name=f"watch {what}", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
+
+
+def where(thread_id: int) -> str:
+    """What the thread waits on: a torch extension build lock by its path, else its innermost line."""
+    frame = sys._current_frames().get(thread_id)
+    if frame is None:
+        return "in a thread that has ended"
+    inner = frame
+    while frame is not None:
+        baton = frame.f_locals.get("self") if frame.f_code.co_name == "wait" else None
+        if isinstance(baton, FileBaton):  # cpp_extension waits here while another build holds the lock
+            return (
+                f"on the torch extension build lock {baton.lock_file_path}: if no build is running, "
+                "a killed one left it; delete it"
+            )
+        frame = frame.f_back
+    return f"at {inner.f_code.co_filename}:{inner.f_lineno} in {inner.f_code.co_name}"
+
+
 class DeepSpeedBackend:
     """An HF model wrapped by `deepspeed.initialize` from a JSON config dict.
 
@@ -116,7 +206,6 @@ class DeepSpeedBackend:
         reference: bool = False,
         vllm: VLLMConfig | None = None,
     ):
-        import deepspeed
         from transformers import AutoModelForCausalLM
 
         self.groups, self.tokenizer, self.temperature = groups, tokenizer, temperature or 1.0
@@ -137,9 +226,7 @@ class DeepSpeedBackend:
         self.micro_batches = int(ds_config.get("gradient_accumulation_steps", 1))
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
         self.reference = self._initial_model() if reference else None
-        self.ds, _, _, _ = deepspeed.initialize(
-            model=model, model_parameters=model.parameters(), config=ds_config
-        )
+        self.ds = start(model, ds_config)
         self._skipped_seen = self.ds.skipped_steps
         self.colocated = None
         self.prefix_cache: PrefixCachingEngine | None = None

@@ -1,8 +1,10 @@
 """Rank 0's view of a run: metrics to jsonl / tensorboard / wandb, sample completions, the plot,
 a progress bar and one end-of-run summary line. Every logger gets the same keys.
 
-Files in the output folder: `metrics.jsonl` (one object per step; on resume, steps past the
-checkpoint are dropped first), `completions.jsonl`, `reward.png`, `tensorboard/` and `wandb/`.
+Files in the output folder: `metrics.jsonl` (one object per step), `completions.jsonl`,
+`reward.png`, `tensorboard/` and `wandb/`. A line once written stays: on resume, the lines of
+the steps the resumed run writes again (those of its first step and after, an evaluation of the
+checkpoint's weights excepted) get `"superseded": true` (see `current`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
     from wandb.sdk.wandb_run import Run
 
 METRICS_FILE, COMPLETIONS_FILE, PLOT_FILE = "metrics.jsonl", "completions.jsonl", "reward.png"
+SUPERSEDED = "superseded"
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -31,12 +34,48 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def _truncate(path: Path, start: int) -> None:
-    """Keep the records of steps before `start`: a killed run may have logged steps it redoes."""
-    kept = [r for r in read_jsonl(path) if r["step"] < start]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-    os.replace(tmp, path)
+def current(records: list[dict]) -> list[dict]:
+    """The records no resumption has superseded: each step's latest."""
+    return [r for r in records if not r.get(SUPERSEDED)]
+
+
+def _redone(record: dict, start: int) -> bool:
+    """Whether a run resumed at `start` writes this record's step again.
+
+    An evaluation-only record of step `start` (a finished run's last line) evaluated the very
+    weights the resumption loads: it stays current.
+    """
+    evaluation_only = all(k == "step" or k.startswith("eval/") for k in record)
+    return record["step"] > start or (record["step"] == start and not evaluation_only)
+
+
+def _mark_superseded(path: Path, start: int) -> None:
+    """Mark (never drop) the lines of steps a run resumed at `start` writes again."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    marked = []
+    for line in lines:
+        record = json.loads(line) if line.strip() else None
+        if record is not None and not record.get(SUPERSEDED) and _redone(record, start):
+            line = json.dumps({**record, SUPERSEDED: True}) + "\n"
+        marked.append(line if line.endswith("\n") else line + "\n")  # the next append starts a line
+    if marked != lines:
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(marked))
+        os.replace(tmp, path)
+
+
+def progress_bar(total: int, *, initial: int = 0, desc: str = "grpo") -> tqdm:
+    """The progress line on stderr: `desc`, steps done of `total`, figures as its postfix."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, file=sys.stderr)
+
+
+def fmt(value: float | None, digits: int) -> str:
+    """A figure of the progress line: `-` when missing or not finite."""
+    return "-" if value is None or not math.isfinite(value) else f"{value:.{digits}f}"
 
 
 class Reporter:
@@ -61,7 +100,7 @@ class Reporter:
             return
         self.out.mkdir(parents=True, exist_ok=True)
         for name in (METRICS_FILE, COMPLETIONS_FILE):
-            _truncate(self.out / name, start)
+            _mark_superseded(self.out / name, start)
         if "tensorboard" in reporters:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -87,9 +126,7 @@ class Reporter:
                 resume="allow",
                 id=self.out.name.replace(".", "-"),
             )
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=total, initial=start, desc="grpo", dynamic_ncols=True, file=sys.stderr)
+        self.bar = progress_bar(total, initial=start)
 
     def log(self, record: dict) -> None:
         if not self.enabled:
@@ -107,7 +144,7 @@ class Reporter:
         if "reward_mean" in record and self.bar is not None:
             shown = {"reward": ("reward_mean", 3), "kl": ("kl", 4), "is_w": ("is/weight_mean", 3)}
             shown.update({"eval": ("eval/success_rate", 2)} if "eval/success_rate" in record else {})
-            self.bar.set_postfix({name: _fmt(record.get(k), d) for name, (k, d) in shown.items()})
+            self.bar.set_postfix({name: fmt(record.get(k), d) for name, (k, d) in shown.items()})
             self.bar.update(1)
 
     def warn(self, line: str) -> None:
@@ -137,7 +174,7 @@ class Reporter:
 
     def plot(self) -> None:
         if self.enabled:
-            plot_run(read_jsonl(self.out / METRICS_FILE), self.out / PLOT_FILE)
+            plot_run(current(read_jsonl(self.out / METRICS_FILE)), self.out / PLOT_FILE)
 
     def close(self, *, steps: int, failed: bool = False) -> str | None:
         """Final plot, loggers closed; returns (and prints) the one-line summary.
@@ -156,7 +193,7 @@ class Reporter:
                 self.wandb.finish(exit_code=1)
             return None
         self.plot()
-        records = read_jsonl(self.out / METRICS_FILE)
+        records = current(read_jsonl(self.out / METRICS_FILE))
         line = summary(records, out=self.out, steps=steps, wall_s=time.perf_counter() - self.t0)
         print(line, file=sys.stderr)
         if self.tb is not None:
@@ -196,10 +233,6 @@ def _mean(values: list[float]) -> float:
 def _duration(seconds: float) -> str:
     m, s = divmod(int(round(seconds)), 60)
     return f"{m} min {s} s" if m else f"{s} s"
-
-
-def _fmt(value: float | None, digits: int) -> str:
-    return "-" if value is None or not math.isfinite(value) else f"{value:.{digits}f}"
 
 
 def _cell(text: str) -> str:

@@ -9,7 +9,7 @@ import pytest
 
 from interlens_mcore.grpo.rewards import RewardError, WeightedRewards, environment_reward
 from interlens_mcore.types import Trajectory
-from trainers.report.reporter import Reporter, read_jsonl
+from trainers.report.reporter import Reporter, current, read_jsonl
 
 
 def _records(n: int) -> list[dict]:
@@ -43,13 +43,34 @@ def test_every_logger_gets_the_same_keys(tmp_path, monkeypatch):
     )
 
 
-def test_resume_drops_steps_past_the_checkpoint(tmp_path):
+def test_resume_marks_steps_past_the_checkpoint_and_keeps_every_line(tmp_path):
     report = Reporter(tmp_path, reporters=["jsonl"], total=10, start=0, enabled=True)
     for r in _records(6)[:6]:
         report.log(r)
+    report.completions(5, [{"seat": "policy", "reward": 1.0, "advantage": 0.0, "text": "t"}])
     report.close(steps=6, failed=True)
+    before = (tmp_path / "metrics.jsonl").read_text().splitlines()
     Reporter(tmp_path, reporters=["jsonl"], total=10, start=4, enabled=True).close(steps=4, failed=True)
-    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0, 1, 2, 3]
+    after = read_jsonl(tmp_path / "metrics.jsonl")
+    unmarked = [{k: v for k, v in r.items() if k != "superseded"} for r in after]
+    assert unmarked == [json.loads(x) for x in before]
+    assert [r["step"] for r in after if r.get("superseded")] == [4, 5]
+    assert [r["step"] for r in current(after)] == [0, 1, 2, 3]
+    assert [r.get("superseded") for r in read_jsonl(tmp_path / "completions.jsonl")] == [True]
+
+
+def test_a_finished_runs_last_evaluation_stays_current_when_extended(tmp_path):
+    report = Reporter(tmp_path, reporters=["jsonl"], total=2, start=0, enabled=True)
+    for r in _records(2):  # steps 0 and 1, then the end-of-run evaluation of step 2
+        report.log(r)
+    report.close(steps=2)
+    before = read_jsonl(tmp_path / "metrics.jsonl")
+    extended = Reporter(tmp_path, reporters=["jsonl"], total=4, start=2, enabled=True)
+    extended.log({"step": 2, "reward_mean": 0.5})
+    line = extended.close(steps=3)
+    after = read_jsonl(tmp_path / "metrics.jsonl")
+    assert after[: len(before)] == before and after[-1] == {"step": 2, "reward_mean": 0.5}
+    assert line is not None and "eval/success_rate: 0.250 -> 0.750" in line
 
 
 def _traj(i: int, reward: float | None = 0.5) -> Trajectory:
