@@ -19,7 +19,16 @@ from typing import Any, Literal
 from ..chat import ChatFormat
 from ..engines.base import Engine, SamplingParams, check_temperature
 from ..engines.sampler import text_seed
-from ..types import Message, Status, TrainTurns, Trajectory, TurnTokens, assemble, check_train_turns
+from ..types import (
+    Message,
+    Status,
+    TrainTurns,
+    Trajectory,
+    TrajectoryInfo,
+    TurnTokens,
+    assemble,
+    check_train_turns,
+)
 from .stop import StopCondition, ambient_conditions
 
 Hook = Callable[["Conversation", Message], "Message | None"]
@@ -401,7 +410,6 @@ class Conversation:
 
     def trajectories(self) -> list[Trajectory]:
         """One trajectory per trainable policy participant, in lineup order (`engine_view`)."""
-        infos = {"conversation": self.id, "turns": self.turns_taken, "stop_reason": self.stop_reason}
         return [
             assemble(
                 self.engine_view(p),
@@ -410,7 +418,13 @@ class Conversation:
                 participant=p.name,
                 group=self.group,
                 status=self.status,
-                infos={**infos, **self.infos},
+                infos=TrajectoryInfo(
+                    conversation=self.id,
+                    seed=self.seed,
+                    turns=self.turns_taken,
+                    stop_reason=self.stop_reason,
+                    extra=TrajectoryInfo.split(self.infos),
+                ),
             )
             for p in self.policies()
             if p.trainable

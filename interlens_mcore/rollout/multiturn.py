@@ -18,6 +18,7 @@ from typing import Any
 
 from ..types import Status, TrainTurns, check_train_turns
 from .limits import StepTimeout, await_limited, call_limited, check_time_limit
+from .outcome import fail, time_out, truncate
 from .results import (
     STEP_KEYS,
     TURN_END_KEYS,
@@ -134,10 +135,27 @@ def _freeze(slot: _Slot, turn: int, status: Status) -> None:
 
 def _time_out(slot: _Slot, turn: int, call: str, limit: float | None) -> bool:
     """A hook or step ran past its limit: the request ends as if finished, status TIMEOUT."""
-    assert limit is not None, "only a call run under a limit times out"
-    _freeze(slot, turn, Status.TIMEOUT)
-    slot.output.rollout_infos["timeout"] = f"{call} exceeded {limit:g} s at turn {turn}"
+    time_out(_Ending(slot, turn), call, limit, turn)
     return False
+
+
+@dataclass
+class _Ending:
+    """A request as `outcome` ends it: a timeout or a full context freezes its last response (a
+    timeout says which call ran late in `rollout_infos["timeout"]`); a failure keeps its reason
+    as the output's error."""
+
+    slot: _Slot
+    turn: int = 0
+
+    def end(self, status: Status, reason: str) -> None:
+        output = self.slot.output
+        if status in (Status.TIMEOUT, Status.TRUNCATED):
+            _freeze(self.slot, self.turn, status)
+            if status is Status.TIMEOUT:
+                output.rollout_infos["timeout"] = reason
+        else:
+            output.status, output.error = status, reason
 
 
 def _finish_or_step(slot: _Slot, run: _Run, turn: int) -> bool:
@@ -149,7 +167,7 @@ def _finish_or_step(slot: _Slot, run: _Run, turn: int) -> bool:
     done, infos = turn_end_result(slot.turn_end, f"{_where(slot, turn)}: on_turn_end")
     slot.output.rollout_infos.update(infos)
     if slot.answer.truncated:  # no room for another turn: this request alone ends, its turns kept
-        _freeze(slot, turn, Status.TRUNCATED)
+        truncate(_Ending(slot, turn), "the engine's context is full")
         return False
     finished = done if done is not None else scheduler.check_finished(slot.request, slot.answer, turn)
     capped = any(m is not None and turn >= m for m in (max_turns, scheduler.max_turns))
@@ -165,7 +183,7 @@ def _finish_or_step(slot: _Slot, run: _Run, turn: int) -> bool:
 
 
 def _fail(slot: _Slot, exc: Exception) -> None:
-    slot.output.status, slot.output.error = Status.FAILED, f"{type(exc).__name__}: {exc}"
+    fail(_Ending(slot), exc)
 
 
 class _Turns(Driver):

@@ -108,7 +108,7 @@ class ToolTaskSource(TaskSource):
         # stop strings for the policy's sampling: a turn ends right after a call
         self.stop = tuple(options.parser.stop)
 
-    def _wrap(self, rows: list[Any]) -> list[ToolTask]:
+    def _wrap(self, rows: Sequence[object]) -> list[ToolTask]:
         return [
             ToolTask(inner=r, tools=self.tools, options=self.options, tokenizer=self.tokenizer) for r in rows
         ]

@@ -36,8 +36,8 @@ def rollout_figures(rollout: Rollout, components: dict[str, list[float]], group:
         "reward": rollout.scored_rewards(),
         "components": components,
         "seats": rollout.seat_rewards(),
-        "success": [t.infos["success"] for t in trajectories if t.infos.get("success") is not None],
-        "turns": [t.infos.get("turns", 0) for t in trajectories],
+        "success": [t.infos.success for t in trajectories if t.infos.success is not None],
+        "turns": [t.infos.turns for t in trajectories],
         "timeouts": rollout.timeouts,
         "truncated": rollout.truncated,
     }
@@ -87,10 +87,10 @@ def evaluation_figures(rollout: Rollout) -> dict[str, float]:
     for t, reward in zip(rollout.trajectories, rollout.scored_rewards(), strict=True):
         mine.setdefault("reward", []).append(reward)
         mine.setdefault(f"reward/{t.participant}", []).append(reward)
-        if t.infos.get("success") is not None:
-            mine.setdefault("success_rate", []).append(float(t.infos["success"]))
-            outcome = t.infos.get("outcome")
-            if isinstance(outcome, dict) and t.participant in outcome:
+        if t.infos.success is not None:
+            mine.setdefault("success_rate", []).append(t.infos.success)
+            outcome = t.infos.outcome
+            if outcome is not None and t.participant in outcome:
                 mine.setdefault(f"win_rate/{t.participant}", []).append(float(outcome[t.participant]))
     merged: dict[str, list[float]] = {}
     for part in distributed.all_gather_object(mine):

@@ -53,6 +53,7 @@ class RequestState:
     index: int  # the native request index
     position: int  # order among this rank's requests: check_finished runs in this order
     group: int
+    seed: int | None = None  # the sample's random stream; None: seeded by the index
     choice: ChatCompletionResponseChoice | None = None
     snapshot: list[Message] = field(default_factory=list)  # messages right after the reply
     turn_result: dict[str, Any] = field(default_factory=dict)  # on_turn_end's, this round
