@@ -108,6 +108,14 @@ class TrajectoryInfo:
         names = cls.names()
         return {k: v for k, v in values.items() if k not in names}
 
+    @classmethod
+    def of(cls, values: Mapping[str, object]) -> TrajectoryInfo:
+        """The record of a plain dict: keys that name a field set it, the others go to `extra`."""
+        info = cls()
+        for key, value in values.items():
+            info[key] = value
+        return info
+
     def __getitem__(self, key: str) -> object:
         if key in self.names():
             return getattr(self, key)
@@ -141,6 +149,8 @@ class Trajectory:
     infos: TrajectoryInfo = field(default_factory=TrajectoryInfo)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.infos, TrajectoryInfo):  # a plain dict, as trajectories had before
+            self.infos = TrajectoryInfo.of(self.infos)
         validate_tokens(self.token_ids, self.loss_mask, self.rollout_logprobs, where="Trajectory")
         for span in self.turns:
             if span.end > len(self.token_ids):

@@ -448,9 +448,9 @@ def describe(t: Trajectory, conv: Conversation, sample: Sample[object] | None = 
     info.env_reward = float(sum(scores)) if scores else None
     own = [m.content for m in conv.messages if m.speaker == seat]
     info.completion = own[-1] if own else ""
-    info.messages = [
+    info.messages = [  # the opening messages too: the seat saw them, as a scheduler's request does
         {"role": "assistant" if m.speaker == seat else m.role, "name": m.speaker, "content": m.content}
-        for m in conv.messages
+        for m in [*conv.prompt, *conv.messages]
     ]
     outcome = conv.infos.get("outcome")
     if isinstance(outcome, dict):
