@@ -12,7 +12,7 @@ from interlens_mcore.compat.swift import SwiftTaskSource
 from interlens_mcore.distributed import ParallelGroups
 from interlens_mcore.engines.sampler import mix_seed
 from interlens_mcore.rollout.multiturn import MultiTurnScheduler
-from interlens_mcore.rollout.rollouter import Rollouter, RolloutConfig, expand_rows
+from interlens_mcore.rollout.rollouter import RolloutConfig, Rollouter, expand_rows
 from interlens_mcore.types import Status
 
 SECRETS = (7, 3)
@@ -139,7 +139,12 @@ def test_indices_are_unique_across_ranks_and_rows_expand_in_order():
     ranks = [expand_rows(["a", "b"], num_generations=2, rank=r, stream=(1, 2), tag="s2") for r in range(3)]
     indices = [s.index for samples in ranks for s in samples]
     assert indices == list(range(12))
-    assert [(s.row, s.group, s.generation) for s in ranks[1]] == [("a", 0, 0), ("a", 0, 1), ("b", 1, 0), ("b", 1, 1)]
+    assert [(s.row, s.group, s.generation) for s in ranks[1]] == [
+        ("a", 0, 0),
+        ("a", 0, 1),
+        ("b", 1, 0),
+        ("b", 1, 1),
+    ]
     assert len({s.seed for samples in ranks for s in samples}) == 12
     with pytest.raises(ValueError, match="num_generations must be >= 1, got 0"):
         expand_rows(["a"], num_generations=0, rank=0, stream=(0,), tag="s0")
