@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..chat import ChatFormat
+from ..chat import ChatFormat, Tokenizer
 from ..engines.base import Engine, SamplingParams, check_temperature
 from ..engines.sampler import text_seed
 from ..types import (
@@ -54,7 +54,7 @@ class Policy(Participant):
 
     name: str
     engine: Engine
-    tokenizer: Any
+    tokenizer: Tokenizer
     sampling: SamplingParams = field(default_factory=SamplingParams)
     trainable: bool = True
     train_turns: TrainTurns = "all"  # its turns with loss mask 1: "all", the "last", one bool per turn
@@ -96,7 +96,7 @@ class Environment(Participant):
     timeout_s: float | None = None  # limit of one turn in seconds; None: co_step's step_timeout_s
 
     @abstractmethod
-    def respond(self, conv: Conversation) -> Any: ...
+    def respond(self, conv: Conversation) -> object: ...  # str, Message, None, or awaits one
 
     def reward(self, conv: Conversation) -> float | None:
         """The environment's reward for a finished conversation, if it gives one."""

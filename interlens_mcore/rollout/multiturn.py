@@ -14,8 +14,8 @@ import asyncio
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
+from ..engines.base import SamplingParams
 from ..types import Status, TrainTurns, check_train_turns
 from .limits import StepTimeout, await_limited, call_limited, check_time_limit
 from .outcome import fail, time_out, truncate
@@ -74,7 +74,7 @@ class _Run:
     # ids >= vocab_size the engine sampled: a model's vocabulary may be padded past its tokenizer
     sampled: set[int] = field(default_factory=set)
 
-    def check_ids(self, ids: Any, where: str) -> None:
+    def check_ids(self, ids: object, where: str) -> None:
         check_ids(ids, where, self.vocab_size, self.sampled)
 
 
@@ -85,7 +85,7 @@ class _Slot:
     request: MultiTurnRequest
     output: RolloutOutput
     choice: ResponseChoice | None = None
-    turn_end: Any = None  # what on_turn_end returned (or raised) this round
+    turn_end: object = None  # what on_turn_end returned (or raised) this round
     continuing: bool = False  # the next response extends the last turn
 
     @property
@@ -111,7 +111,7 @@ def _accept(slot: _Slot, turn: int, run: _Run) -> None:
         messages.append({"role": "assistant", "content": choice.text})
 
 
-def _apply_step(slot: _Slot, result: Any, run: _Run, turn: int) -> None:
+def _apply_step(slot: _Slot, result: object, run: _Run, turn: int) -> None:
     """Record the turn as the scheduler's step shaped it and move to its next request."""
     where = f"{_where(slot, turn)}: scheduler.step()"
     step = step_result(result, slot.request, slot.answer, where, run.check_ids)
@@ -189,7 +189,14 @@ def _fail(slot: _Slot, exc: Exception) -> None:
 class _Turns(Driver):
     """run_multi_turn's half of the lockstep round: the scheduler's work, then one rollout_fn call."""
 
-    def __init__(self, run: _Run, requests, first, rollout_fn: RolloutFn, request_config: Any):
+    def __init__(
+        self,
+        run: _Run,
+        requests: Sequence[MultiTurnRequest],
+        first: Sequence[ResponseChoice],
+        rollout_fn: RolloutFn,
+        request_config: SamplingParams,
+    ):
         self.run, self.requests, self.choices = run, requests, first
         self.rollout_fn, self.request_config = rollout_fn, request_config
         self.slots: list[_Slot] | None = None  # None until started (in the first local phase)
@@ -259,7 +266,7 @@ async def run_multi_turn_async(
     first_turn_outputs: Sequence[ResponseChoice],
     scheduler: MultiTurnScheduler,
     rollout_fn: RolloutFn,
-    request_config: Any,
+    request_config: SamplingParams,
     max_turns: int | None = None,
     gather_fn: GatherFn = local_gather,
     *,
@@ -290,7 +297,7 @@ def run_multi_turn(
     first_turn_outputs: Sequence[ResponseChoice],
     scheduler: MultiTurnScheduler,
     rollout_fn: RolloutFn,
-    request_config: Any,
+    request_config: SamplingParams,
     max_turns: int | None = None,
     gather_fn: GatherFn = local_gather,
     *,

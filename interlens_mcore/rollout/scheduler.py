@@ -251,7 +251,7 @@ class MultiTurnScheduler(ABC):
 
     async def on_turn_end(
         self, request: MultiTurnRequest, response_choice: ResponseChoice, current_turn: int
-    ) -> dict[str, Any] | None:
+    ) -> dict[str, object] | None:
         """Runs concurrently for all requests of a round; may return `done` and `rollout_infos`.
 
         A `done` that is not None decides instead of `check_finished`.
@@ -269,7 +269,7 @@ class MultiTurnScheduler(ABC):
     @abstractmethod
     def step(
         self, request: MultiTurnRequest, response_choice: ResponseChoice, current_turn: int
-    ) -> dict[str, Any]:
+    ) -> dict[str, object]:
         """Return {"infer_request": next request, ...optional turn overrides and rollout_infos}."""
 
     def _chat(self) -> ChatFormat:
@@ -422,4 +422,4 @@ def _stream(request: MultiTurnRequest) -> int:
     return request.index if request.seed is None else request.seed
 
 
-RolloutFn = Callable[[list[MultiTurnRequest], Any], list[ResponseChoice]]
+RolloutFn = Callable[[list[MultiTurnRequest], SamplingParams], list[ResponseChoice]]
