@@ -70,7 +70,7 @@ class RequestState:
         return self.choice
 
 
-def truthy_done(value: Any, where: str) -> bool:
+def truthy_done(value: object, where: str) -> bool:
     """ms-swift tests `done` for truth: None is not done, numpy bools count; text is a mistake."""
     if isinstance(value, (str, bytes, list, tuple, dict, set)):
         raise ValueError(f"{where}: on_turn_end 'done' must be a bool or None, got {value!r}")
@@ -83,7 +83,7 @@ def _keys(result: dict, allowed: tuple[str, ...], where: str) -> None:
         raise ValueError(f"{where} returned unknown key(s) {unknown}; expected some of {list(allowed)}")
 
 
-def _ids(value: Any, where: str) -> list[int]:
+def _ids(value: object, where: str) -> list[int]:
     if not isinstance(value, (list, tuple)) or not all(type(t) is int for t in value):
         raise ValueError(f"{where} must be a list of int token ids, got {value!r}")
     return list(value)

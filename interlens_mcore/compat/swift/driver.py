@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import copy
 from collections.abc import Sequence
-from typing import Any, get_args
+from typing import get_args
 
 from ... import (
     ChatFormat,
@@ -97,7 +97,7 @@ def _split(row: object, i: int) -> tuple[list[Message], dict[str, object]]:
     return messages, data
 
 
-def _cap(max_turns: Any) -> int | None:
+def _cap(max_turns: object) -> int | None:
     if max_turns is None or max_turns == 0:  # ms-swift: 0 and None both mean no cap
         return None
     if not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 0:
@@ -195,8 +195,8 @@ def _finish(out: RolloutOutput, st: RequestState, train_turns: TrainTurns) -> Sw
 def run(
     rows: Sequence[Row],
     scheduler: MultiTurnScheduler,
-    engine: Any,
-    tokenizer: Any,
+    engine: Engine,
+    tokenizer: Tokenizer,
     sampling: SamplingParams,
     *,
     num_generations: int = 1,

@@ -61,7 +61,7 @@ envs: dict[str, type[Env]] = {}
 """Environments by name: `GymScheduler(gym_env=NAME)` or a row's `env_config["name"]` picks one."""
 
 
-def _reset_result(result: Any, env: Env) -> tuple[str, str | None]:
+def _reset_result(result: object, env: Env) -> tuple[str, str | None]:
     if not isinstance(result, tuple) or len(result) not in (2, 3):
         raise ValueError(
             f"{type(env).__name__}.reset must return (observation, info) or "
@@ -71,7 +71,7 @@ def _reset_result(result: Any, env: Env) -> tuple[str, str | None]:
     return str(result[0]), system or None
 
 
-def _step_result(result: Any, env: Env) -> tuple[str, float, Any, dict]:
+def _step_result(result: object, env: Env) -> tuple[str, float, object, dict[str, object]]:
     if not isinstance(result, tuple) or len(result) != 4:
         raise ValueError(
             f"{type(env).__name__}.step must return (observation, reward, done, info), got {result!r}"

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from ... import ResponseChoice, Status, Trajectory
 from ... import RolloutOutput as NativeOutput
+from ...chat import Tokenizer
 from ...rollout.rollouter import describe_request
 
 Message = dict[str, Any]  # {"role": ..., "content": str | None, ...}
@@ -47,10 +48,11 @@ class ChatCompletionResponseChoice:
     logprobs: dict[str, list[dict[str, Any]]] | None  # {"content": [{"token", "logprob"}, ...]}
 
     @classmethod
-    def from_native(cls, choice: ResponseChoice, tokenizer: Any) -> ChatCompletionResponseChoice:
+    def from_native(cls, choice: ResponseChoice, tokenizer: Tokenizer) -> ChatCompletionResponseChoice:
         logprobs = None
         if choice.logprobs is not None:
             tokens = tokenizer.convert_ids_to_tokens(list(choice.token_ids))
+            tokens = [tokens] if isinstance(tokens, str) else tokens
             content = [{"token": t, "logprob": lp} for t, lp in zip(tokens, choice.logprobs, strict=True)]
             logprobs = {"content": content}
         return cls(
