@@ -24,8 +24,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..chat import Tokenizer
 from ..rollout.conversation import Conversation, Environment, Participant, Policy
-from ..types import Message
+from ..types import Message, Trajectory
 from .base import TaskSource
 from .split import derive_seed
 
@@ -37,7 +38,7 @@ class PromptRow:
     """One dataset row: its opening transcript and all of its columns."""
 
     messages: list[Message]
-    columns: dict[str, Any] = field(default_factory=dict)
+    columns: dict[str, object] = field(default_factory=dict)
     max_turns: int = 2  # the reply and PromptEnd's silent close
 
     def prompt(self) -> list[Message]:
@@ -167,10 +168,11 @@ class DatasetSource(TaskSource):
         """The first `n` evaluation rows, the same at every evaluation (`seed` is not used)."""
         return self._eval[:n]
 
-    def success_of(self, trajectory: Any) -> float | None:
-        return float(trajectory.reward >= self.success_threshold)
+    def success_of(self, trajectory: Trajectory) -> float | None:
+        reward = trajectory.reward  # set by the trainer before it asks
+        return None if reward is None else float(reward >= self.success_threshold)
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, object]:
         return {
             "name": self.name,
             "path": self.path,
@@ -191,8 +193,8 @@ def source(
     *,
     split: str = "train",
     success_threshold: float = 1.0,
-    tokenizer: Any = None,
-    **tool_args: Any,
+    tokenizer: Tokenizer | None = None,
+    **tool_args: Any,  # with_tools' options
 ) -> TaskSource:
     """The task source of `--dataset PATH`; `tools` (functions or `MODULE:FN,...`) adds tools."""
     src: TaskSource = DatasetSource(

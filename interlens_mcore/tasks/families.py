@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
-from typing import Any
 
 from .base import TaskSource
 
@@ -24,7 +23,7 @@ FAMILIES = {
 }
 
 
-def make_source(spec: str, **task_args: Any) -> TaskSource:
+def make_source(spec: str, **task_args: object) -> TaskSource:
     """The task source `spec` ("FAMILY:NAME") names, built by its family's `source(NAME, **task_args)`."""
     family, sep, name = spec.partition(":")
     if not sep or family not in FAMILIES or not name:
@@ -39,7 +38,7 @@ def make_source(spec: str, **task_args: Any) -> TaskSource:
         ) from exc
 
 
-def parse_task_args(pairs: Sequence[str]) -> dict[str, Any]:
+def parse_task_args(pairs: Sequence[str]) -> dict[str, object]:
     """`["max_attempts=3", "is_slippery=false"]` (the `--task-arg KEY=VALUE` form) as typed values.
 
     Each value is read as YAML (`3` an int, `0.5` a float, `false` a bool, `null` None, `[1, 2]`
@@ -47,7 +46,7 @@ def parse_task_args(pairs: Sequence[str]) -> dict[str, Any]:
     """
     import yaml
 
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         key = key.strip()

@@ -156,7 +156,7 @@ class GymOptions:
     action_tag: str = "action"
     random_map: bool = False  # FrozenLake only: a map drawn from the episode's seed
     map_size: int = 4
-    make_args: dict[str, Any] = field(default_factory=dict)
+    make_args: dict[str, object] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -180,14 +180,14 @@ class GymTask:
         return 2 * self.max_steps
 
     @property
-    def columns(self) -> dict[str, Any]:
+    def columns(self) -> dict[str, object]:
         return {"env_id": self.env_id, "seed": self.seed}
 
     def make(self) -> tuple[Any, Any]:
         """A fresh environment, reset to this episode's first observation."""
         import gymnasium
 
-        args = dict(self.options.make_args)
+        args: dict[str, Any] = dict(self.options.make_args)  # gymnasium.make's keywords
         if self.options.random_map:
             from gymnasium.envs.toy_text.frozen_lake import generate_random_map
 
@@ -287,7 +287,7 @@ class GymSource(TaskSource):
     def eval_rows(self, n: int, *, seed: int) -> list[GymTask]:
         return self._draw(n, seed, evaluation=True)
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, object]:
         o = self.options
         return {
             "name": self.name,
@@ -308,7 +308,7 @@ def source(
     random_map: bool = False,
     map_size: int = 4,
     eval_fraction: float = 0.1,
-    **make_args: Any,
+    **make_args: object,
 ) -> GymSource:
     """The task source of `--task gym:ENV_ID`; `make_args` go to `gymnasium.make`."""
     if max_steps is not None and max_steps < 1:

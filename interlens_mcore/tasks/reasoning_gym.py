@@ -101,8 +101,8 @@ class ReasoningOptions:
 class ReasoningTask:
     """One question: the reasoning-gym entry, its verifier, how it is played."""
 
-    entry: dict[str, Any]  # {"question", "answer", "metadata"}
-    score: Callable[[str | None, dict[str, Any]], float]  # the dataset's score_answer
+    entry: dict[str, object]  # {"question", "answer", "metadata"}
+    score: Callable[[str | None, dict[str, object]], float]  # the dataset's score_answer
     options: ReasoningOptions
 
     @property
@@ -110,7 +110,7 @@ class ReasoningTask:
         return 2 * self.options.max_attempts
 
     @property
-    def columns(self) -> dict[str, Any]:
+    def columns(self) -> dict[str, object]:
         """What reward functions read of the row: the entry's question, answer and metadata."""
         return self.entry
 
@@ -197,10 +197,10 @@ class ReasoningGymSource(TaskSource):
         name: str,
         *,
         weights: str | Sequence[float] | None = None,
-        configs: dict[str, dict[str, Any]] | None = None,
+        configs: dict[str, dict[str, object]] | None = None,
         eval_fraction: float = 0.1,
         options: ReasoningOptions = ReasoningOptions(),
-        **config: Any,
+        **config: object,
     ):
         import reasoning_gym
         from reasoning_gym.composite import DatasetSpec
@@ -276,7 +276,7 @@ class ReasoningGymSource(TaskSource):
     def eval_rows(self, n: int, *, seed: int) -> list[ReasoningTask]:
         return self._draw(n, seed, evaluation=True)
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, object]:
         o = self.options
         return {
             "name": self.name,
@@ -301,9 +301,9 @@ def source(
     answer_tag: str | None = "answer",
     answer_fallback: AnswerFallback = "last_line",
     weights: str | Sequence[float] | None = None,
-    configs: dict[str, dict[str, Any]] | None = None,
+    configs: dict[str, dict[str, object]] | None = None,
     eval_fraction: float = 0.1,
-    **config: Any,
+    **config: object,
 ) -> ReasoningGymSource:
     """The task source of `--task reasoning_gym:NAME` (NAME one dataset, or "a+b" a mix)."""
     rule = AnswerRule(tag=answer_tag, fallback=answer_fallback)

@@ -14,7 +14,6 @@ keyword arguments.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from ..plugins import load_object
 from .base import TaskSource
@@ -38,7 +37,7 @@ def known_tasks() -> list[str]:
     return [*TASKS, *(f"{f}:ID" for f in FAMILIES), "MODULE:FACTORY"]
 
 
-def resolve_task(spec: str, task_args: dict[str, Any] | None = None) -> TaskSource:
+def resolve_task(spec: str, task_args: dict[str, object] | None = None) -> TaskSource:
     """The task source `spec` names, built with `task_args`; ValueError naming --task otherwise."""
     args = dict(task_args or {})
     try:

@@ -114,7 +114,7 @@ class ArenaTask:
         self.max_turns = 4 * self.max_moves + 1
 
     @property
-    def columns(self) -> dict[str, Any]:
+    def columns(self) -> dict[str, object]:
         return {"game_id": self.game_id, "seed": self.seed}
 
     def prompt(self) -> list[Message]:
@@ -281,7 +281,7 @@ class TextArenaSource(TaskSource):
             for s in seeds
         ]
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, object]:
         return {
             "name": self.name,
             "opponent": self.opponent,

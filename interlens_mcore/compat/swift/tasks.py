@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any, get_args
 
 from ... import SamplingParams, Trajectory
+from ...chat import Tokenizer
+from ...engines.base import Engine
 from ...rollout.rollouter import Rollout, Rollouter, RolloutPlan
 from ...rollout.vote import GatherFn, local_gather
 from ...tasks.base import TaskSource
@@ -38,9 +40,9 @@ class SwiftTaskSource(TaskSource):
     def __init__(
         self,
         scheduler: MultiTurnScheduler,
-        dataset: Sequence[dict[str, Any]],
+        dataset: Sequence[dict[str, object]],
         *,
-        eval_dataset: Sequence[dict[str, Any]] = (),
+        eval_dataset: Sequence[dict[str, object]] = (),
         reward_key: str = "reward",
         max_turns: int | None = None,
         train_turns: TrainTurns = "all",
@@ -65,32 +67,32 @@ class SwiftTaskSource(TaskSource):
         cls,
         spec: str,
         *,
-        dataset: Sequence[dict[str, Any]],
+        dataset: Sequence[dict[str, object]],
         plugins: Sequence[str | Path] = (),
         max_turns: int | None = None,
-        scheduler_kwargs: dict[str, Any] | None = None,
-        **options: Any,
+        scheduler_kwargs: dict[str, Any] | None = None,  # the scheduler class's own keywords
+        **options: Any,  # SwiftTaskSource's keywords
     ) -> SwiftTaskSource:
         """`--external-plugins FILE.py ... --multi-turn-scheduler MODULE:CLASS` (or a registered name)."""
         load_plugins(plugins)
         scheduler = build_scheduler(resolve_scheduler(spec), max_turns=max_turns, **(scheduler_kwargs or {}))
         return cls(scheduler, dataset, max_turns=max_turns, **options)
 
-    def rows(self, n: int, *, seed: int) -> list[dict[str, Any]]:
+    def rows(self, n: int, *, seed: int) -> list[dict[str, object]]:
         """`n` rows, without repeats while the dataset has enough, a pure function of `seed`."""
         rng = random.Random(seed)
         size = len(self.dataset)
         picks = rng.sample(range(size), n) if n <= size else [rng.randrange(size) for _ in range(n)]
         return [copy.deepcopy(self.dataset[i]) for i in picks]
 
-    def eval_rows(self, n: int, *, seed: int) -> list[dict[str, Any]]:
+    def eval_rows(self, n: int, *, seed: int) -> list[dict[str, object]]:
         """The first `n` held-out rows (the same every evaluation)."""
         return [copy.deepcopy(r) for r in self.eval_dataset[:n]]
 
     def scheduler(self) -> MultiTurnScheduler:
         return self._scheduler
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, object]:
         return {
             "name": self.name,
             "scheduler": type(self._scheduler).__name__,
@@ -131,11 +133,11 @@ class SwiftTaskSource(TaskSource):
 
     def rollout(
         self,
-        rows: Sequence[dict[str, Any]],
+        rows: Sequence[dict[str, object]],
         *,
         num_generations: int,
-        engine: Any,
-        tokenizer: Any,
+        engine: Engine,
+        tokenizer: Tokenizer,
         sampling: SamplingParams,
         seed: int,
         gather_fn: GatherFn = local_gather,
