@@ -87,7 +87,7 @@ def load_rows(path: str, *, split: str = "train") -> Any:
         raise ValueError(f"dataset {path!r}: cannot read it as {ext} ({type(exc).__name__}: {exc})") from exc
 
 
-def prompt_messages(value: Any, *, where: str) -> list[Message]:
+def prompt_messages(value: object, *, where: str) -> list[Message]:
     """A prompt cell as messages: a string is one user message; a list holds chat messages."""
     if isinstance(value, str):
         if not value.strip():

@@ -95,7 +95,7 @@ class GymGame:
     """What this module knows of one environment family."""
 
     actions: tuple[str, ...]
-    render: Callable[[Any, Any], str]
+    render: Callable[..., str]  # (the gymnasium env, its observation) -> text
     rules: str
     max_steps: int  # replies per episode, invalid ones included
     success: Callable[[float, bool], bool]  # (last reward, terminated) -> goal reached

@@ -94,7 +94,7 @@ class Game:
     rewards: dict[int, float] | None = None
 
 
-def _render(observation: list[tuple[int, str, Any]]) -> list[str]:
+def _render(observation: list[tuple[int, str, object]]) -> list[str]:
     # player actions are already in the transcript as the seats' own messages
     return [msg.strip() for sender, msg, _ in observation if sender == -1 and msg.strip()]
 

@@ -22,7 +22,7 @@ import dataclasses
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from ... import ChatFormat, MultiTurnRequest, ResponseChoice
 from ... import MultiTurnScheduler as NativeScheduler
@@ -31,6 +31,8 @@ from ...types import validate_tokens
 from .scheduler import MultiTurnScheduler
 from .transcript import append_completion, extension, native_messages, without_placeholder
 from .types import ChatCompletionResponseChoice, Message, RolloutInferRequest
+
+T = TypeVar("T")
 
 STEP_KEYS = ("infer_request", "response_token_ids", "response_loss_mask", "rollout_logprobs", "rollout_infos")
 TURN_END_KEYS = ("done", "rollout_infos", "response_token_ids", "response_loss_mask", "rollout_logprobs")
@@ -132,7 +134,7 @@ class SwiftBridge(NativeScheduler):
         add_note(exc, f"raised by {type(self.user).__name__}.{hook} for {st.where(turn)}")
         self.user_errors.append(exc)
 
-    def _call(self, hook: str, st: RequestState, turn: int, fn: Callable, *args: Any) -> Any:
+    def _call(self, hook: str, st: RequestState, turn: int, fn: Callable[..., T], *args: object) -> T:
         try:
             return fn(*args)
         except Exception as exc:

@@ -42,14 +42,14 @@ from .types import ChatCompletionResponseChoice, Message, RolloutInferRequest
 class Env:
     """An environment a `GymScheduler` plays (see the module docstring)."""
 
-    def __init__(self, env_config: dict[str, Any]):
+    def __init__(self, env_config: dict[str, object]):
         self.env_config = env_config
 
     async def reset(self, config: RolloutInferRequest) -> tuple[Any, ...]:
         """(observation, info) or (observation, info, system_message)."""
         raise NotImplementedError(f"{type(self).__name__}: implement reset(config)")
 
-    async def step(self, action: list[Message]) -> tuple[str, float, bool, dict[str, Any]]:
+    async def step(self, action: list[Message]) -> tuple[str, float, bool, dict[str, object]]:
         """(next observation, reward, done, info) after the policy's reply (`action[-1]`)."""
         raise NotImplementedError(f"{type(self).__name__}: implement step(action)")
 
@@ -91,7 +91,7 @@ class GymScheduler(MultiTurnScheduler):
         self._steps: dict[str, list[float]] = {}
         self._pending: dict[str, str | None] = {}  # the observation the next step sends
 
-    def create_env(self, env_config: dict[str, Any]) -> Env:
+    def create_env(self, env_config: dict[str, object]) -> Env:
         name = env_config.get("name", self.gym_env_name)
         if name not in envs:
             raise ValueError(f"gym environment {name!r} is not registered; registered: {sorted(envs)}")

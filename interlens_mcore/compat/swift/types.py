@@ -34,7 +34,7 @@ class RolloutInferRequest:
 class ChatMessage:
     role: str
     content: str
-    tool_calls: list[dict[str, Any]] | None = None  # tool calls stay in `content`, as the model wrote them
+    tool_calls: list[dict[str, object]] | None = None  # tool calls stay in `content`, as the model wrote them
 
 
 @dataclass(kw_only=True)
