@@ -146,6 +146,7 @@ class Trajectory:
     group: int = 0  # prompt index: samples of one group share their advantage baseline
     status: Status = Status.STOPPED
     reward: float | None = None
+    # a plain dict given here becomes a TrajectoryInfo (`TrajectoryInfo.of`)
     infos: TrajectoryInfo = field(default_factory=TrajectoryInfo)
 
     def __post_init__(self) -> None:
