@@ -368,8 +368,9 @@ def expand_rows(
 
     A sample's group is its row's place on this rank (its samples share an advantage baseline);
     its index, `(rank * len(rows) + row) * num_generations + generation`, is unique across ranks
-    that hold as many rows; its id is `<tag>-<index>`; its seed folds `stream`, the rank, the row
-    and the generation, so it depends on nothing else (a resumed run replays it).
+    that hold as many rows; its id is `<tag>-r<rank>-p<row>-g<generation>`; its seed folds
+    `stream`, the rank, the row and the generation, so it depends on nothing else (a resumed run
+    replays it).
     """
     if num_generations < 1:
         raise ValueError(f"num_generations must be >= 1, got {num_generations}")
@@ -378,7 +379,8 @@ def expand_rows(
         for k in range(num_generations):
             index = (rank * len(rows) + i) * num_generations + k
             seed = mix_seed(*stream, rank, i, k)
-            out.append(Sample(row=row, group=i, generation=k, index=index, id=f"{tag}-{index}", seed=seed))
+            cid = f"{tag}-r{rank}-p{i}-g{k}"
+            out.append(Sample(row=row, group=i, generation=k, index=index, id=cid, seed=seed))
     return out
 
 
@@ -448,9 +450,9 @@ def describe(t: Trajectory, conv: Conversation, sample: Sample[object] | None = 
     info.env_reward = float(sum(scores)) if scores else None
     own = [m.content for m in conv.messages if m.speaker == seat]
     info.completion = own[-1] if own else ""
-    info.messages = [  # the opening messages too: the seat saw them, as a scheduler's request does
+    info.messages = [  # the committed messages; the opening ones are the row's prompt()
         {"role": "assistant" if m.speaker == seat else m.role, "name": m.speaker, "content": m.content}
-        for m in [*conv.prompt, *conv.messages]
+        for m in conv.messages
     ]
     outcome = conv.infos.get("outcome")
     if isinstance(outcome, dict):

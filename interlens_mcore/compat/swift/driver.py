@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 from collections.abc import Sequence
 from typing import get_args
 
@@ -58,7 +59,8 @@ def build_requests(
     `seed` and the index, as `EngineRollout` seeds requests without a seed of their own.
     """
     samples = expand_rows(rows, num_generations=num_generations, rank=rank, stream=(seed,), tag=f"{seed:x}")
-    return sample_requests(samples, seeded=False)
+    # ms-swift's short uuids here; a trainer's plan names requests as its conversations
+    return sample_requests([dataclasses.replace(s, id=f"{seed:x}-{s.index}") for s in samples], seeded=False)
 
 
 def sample_requests(samples: Sequence[Sample[object]], *, seeded: bool = True) -> list[RequestState]:

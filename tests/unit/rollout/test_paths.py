@@ -17,6 +17,7 @@ from interlens_mcore.types import Status
 
 SECRETS = (7, 3)
 SEED, STEP, N = 5, 2, 3
+OPENINGS = {f"guess {s}" for s in SECRETS}
 
 
 class Judge(Environment):
@@ -87,7 +88,9 @@ def _record(t):
         "env_reward": info.env_reward,
         "finish_reasons": info.finish_reasons,
         "logprobs_complete": info.logprobs_complete,
-        "transcript": [(m["role"], m["content"]) for m in info.messages],
+        # a lineup's messages are those committed after the opening (the row's prompt()); a
+        # scheduler's request holds its opening messages too
+        "transcript": [(m["role"], m["content"]) for m in info.messages if m["content"] not in OPENINGS],
         # up to the last sampled token: a lineup's view also holds the template's closing ids
         "token_ids": t.token_ids[: t.turns[-1].end],
         "loss_mask": t.loss_mask[: t.turns[-1].end],
@@ -115,7 +118,7 @@ def test_the_same_rows_give_the_same_samples_on_every_path(tok):
     assert [r["group"] for r in first] == [i for i, _ in expected]
     assert [r["index"] for r in first] == list(range(len(expected)))
     assert [r["seed"] for r in first] == [mix_seed(SEED, STEP, 0, i, k) for i, k in expected]
-    assert [r["conversation"] for r in first] == [f"s{STEP}-{n}" for n in range(len(expected))]
+    assert [r["conversation"] for r in first] == [f"s{STEP}-r0-p{i}-g{k}" for i, k in expected]
     assert [r["env_reward"] for r in first] == [1.0] * N + [0.0] * N  # the engine always says 7
     assert {r["completion"] for r in first} == {"7"} and {r["turns"] for r in first} == {1}
     assert {r["status"] for r in first} == {Status.STOPPED}
@@ -130,7 +133,7 @@ def test_evaluation_samples_agree_and_differ_from_training(tok):
     lineups = rollouter.evaluate([Guess(s) for s in SECRETS], STEP)
     swift = SwiftTaskSource(SwiftJudge(max_turns=1), _dict_rows()).evaluate(rollouter, _dict_rows(), STEP)
     a, b = ([_record(t) for t in r.trajectories] for r in (lineups, swift))
-    assert a == b and [r["conversation"] for r in a] == [f"eval{STEP}-0", f"eval{STEP}-1"]
+    assert a == b and [r["conversation"] for r in a] == [f"eval{STEP}-r0-p0-g0", f"eval{STEP}-r0-p1-g0"]
     training = {s.seed for s in rollouter.plan([Guess(s) for s in SECRETS], STEP).samples}
     assert not training & {r["seed"] for r in a}
 
