@@ -26,7 +26,7 @@ from .rollout.multiturn import (
 )
 from .rollout.stop import AnyOf, MaxTurns, Predicate, StopCondition, TokenBudget, stop_when
 from .rollout.vote import RolloutError, RolloutValueError
-from .types import Message, Status, Trajectory, TurnSpan
+from .types import Message, Status, Trajectory, TrajectoryInfo, TurnSpan
 
 __all__ = [
     "AnyOf",
@@ -62,6 +62,7 @@ __all__ = [
     "ToolScheduler",
     "TrainingBatch",
     "Trajectory",
+    "TrajectoryInfo",
     "TurnSpan",
     "build_batch",
     "build_groups",

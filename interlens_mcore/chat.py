@@ -3,11 +3,50 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
 _PROBE = "\x00probe\x00"
 _ANCHOR = "\x00anchor\x00"
 _NAME = "\x00seat\x00"
+
+
+class Tokenizer(Protocol):
+    """What this package uses of a transformers tokenizer with a chat template.
+
+    Return types are as broad as transformers declares them; `ChatFormat` narrows them.
+    """
+
+    @property
+    def chat_template(self) -> str | None: ...
+
+    @property
+    def eos_token(self) -> str | None: ...
+
+    @property
+    def eos_token_id(self) -> int | None: ...
+
+    @property
+    def pad_token_id(self) -> int | None: ...
+
+    @property
+    def all_special_tokens(self) -> list[str]: ...
+
+    @property
+    def name_or_path(self) -> str: ...
+
+    def __len__(self) -> int: ...
+
+    def apply_chat_template(
+        self, conversation: list[dict[str, str]], *, tokenize: bool = ..., add_generation_prompt: bool = ...
+    ) -> object: ...
+
+    def encode(
+        self, text: str, *, add_special_tokens: bool = ..., split_special_tokens: bool = ...
+    ) -> list[int]: ...
+
+    def decode(self, token_ids: list[int], *, skip_special_tokens: bool = ...) -> object: ...
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> str | list[str]: ...
 
 
 @dataclass
@@ -26,7 +65,7 @@ class ChatFormat:
     first message it appends (a policy's own turn opens it as "assistant").
     """
 
-    tokenizer: Any  # a transformers tokenizer with a chat template
+    tokenizer: Tokenizer  # a transformers tokenizer with a chat template
     _cache: dict[str, list[int]] = field(default_factory=dict, repr=False)
     _frames: dict[str, tuple[str, str] | None] = field(default_factory=dict, repr=False)
     _anchors: dict[str, str | None] = field(default_factory=dict, repr=False)
@@ -35,8 +74,10 @@ class ChatFormat:
     def __post_init__(self) -> None:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("ChatFormat needs a tokenizer with a chat_template")
-        if self.tokenizer.eos_token_id is None:
+        eos = self.tokenizer.eos_token
+        if self.tokenizer.eos_token_id is None or eos is None:
             raise ValueError("ChatFormat needs a tokenizer with an eos_token (end of turn)")
+        self._eos = eos
         self._control = tuple(t for t in self.tokenizer.all_special_tokens if t)  # control strings
         one = [{"role": "user", "content": _PROBE}]
         plain = self._render(one, add_generation_prompt=False)
@@ -46,7 +87,6 @@ class ChatFormat:
         self._gen_prompt_text = with_prompt[len(plain) :]
         assistant = self._render([{"role": "assistant", "content": _PROBE}], False)
         self._assistant_tail = assistant[assistant.index(_PROBE) + len(_PROBE) :]
-        eos = self.tokenizer.eos_token
         if not self._assistant_tail.startswith(eos):
             raise ValueError(f"chat template: an assistant message must end with the eos token {eos!r}")
 
@@ -93,10 +133,11 @@ class ChatFormat:
             ids += self.message_ids(m["role"], m["content"], name=m.get("name"))
         return ids
 
-    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
+    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        text = self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt
         )
+        return _text(text, "apply_chat_template(tokenize=False)")
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -170,13 +211,21 @@ class ChatFormat:
         if key not in self._cache:
             tail = self._assistant_tail
             if finish_reason == "stop":
-                tail = tail[len(self.tokenizer.eos_token) :]
+                tail = tail[len(self._eos) :]
             self._cache[key] = self.encode(tail)
         return list(self._cache[key])
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
-        return (int(self.tokenizer.eos_token_id),)
+        eos = self.tokenizer.eos_token_id
+        assert eos is not None, "__post_init__ refuses a tokenizer without an eos token"
+        return (eos,)
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return _text(self.tokenizer.decode(ids, skip_special_tokens=True), "decode")
+
+
+def _text(value: object, call: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"tokenizer.{call} returned {type(value).__name__}; expected str")
+    return value

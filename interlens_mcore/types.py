@@ -7,11 +7,12 @@ nothing the engine could not condition on (a message or closing tokens past its 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Literal
 
 
 class Status(str, enum.Enum):
@@ -24,6 +25,9 @@ class Status(str, enum.Enum):
     TIMEOUT = "timeout"  # an environment, tool or scheduler step ran past its time limit
     TRUNCATED = "truncated"  # the conversation outgrew its engine's context
 
+
+# a transcript message as reward functions read it: {"role", "content", "name"?, ...} (JSON)
+ChatMessage = dict[str, object]
 
 # which turns of a trajectory are trained: all of them, the last one, or one bool per turn
 TrainTurns = Literal["all", "last"] | Sequence[bool]
@@ -66,6 +70,71 @@ class TurnSpan:
 
 
 @dataclass(kw_only=True)
+class TrajectoryInfo:
+    """What this package records about a trajectory, typed; anything else lives in `extra`.
+
+    Every rollout path fills the same fields: lineups (`co_step`), native schedulers and
+    ms-swift schedulers. `extra` holds what environments wrote to `conv.infos` and what
+    schedulers returned as `rollout_infos` (a gym's `return`, a tool's `tool_calls`, the
+    scheduler's `reward`), under their own keys.
+
+    Read fields as attributes (`t.infos.completion`). Item access (`t.infos["completion"]`,
+    `t.infos.get("attempts")`) reads a field by its name and any other key from `extra`, so
+    reward functions written against the earlier plain dict keep working.
+    """
+
+    conversation: str | None = None  # the sample's id: conversation id, or the request's uuid
+    seat: str = "policy"  # the participant whose view this is
+    index: int | None = None  # the sample's place in the step, unique across ranks
+    seed: int | None = None  # the sample's random stream
+    completion: str = ""  # the text of the seat's last message
+    messages: list[ChatMessage] = field(default_factory=list)  # the transcript as the seat saw it
+    env_reward: float | None = None  # the environments' (or the scheduler's) reward for the seat
+    success: float | None = None  # in [0, 1], where the task reports one
+    outcome: dict[str, float] | None = None  # seat -> 1 win, 1/2 tie, 0 loss (multi-seat games)
+    turns: int = 0  # turns the conversation took (engine calls, for schedulers)
+    finish_reasons: list[str | None] = field(default_factory=list)  # one per turn of the seat
+    stop_reason: str | None = None  # why the conversation ended (a stop, a timeout, a failure)
+    logprobs_complete: bool = True  # False: rollout logprobs dropped, IS correction off here
+    extra: dict[str, object] = field(default_factory=dict)
+
+    @classmethod
+    def names(cls) -> frozenset[str]:
+        return frozenset(f.name for f in fields(cls)) - {"extra"}
+
+    @classmethod
+    def split(cls, values: Mapping[str, object]) -> dict[str, object]:
+        """`values` without the keys that name a field: what goes to `extra`."""
+        names = cls.names()
+        return {k: v for k, v in values.items() if k not in names}
+
+    @classmethod
+    def of(cls, values: Mapping[str, object]) -> TrajectoryInfo:
+        """The record of a plain dict: keys that name a field set it, the others go to `extra`."""
+        info = cls()
+        for key, value in values.items():
+            info[key] = value
+        return info
+
+    def __getitem__(self, key: str) -> object:
+        if key in self.names():
+            return getattr(self, key)
+        return self.extra[key]
+
+    def __setitem__(self, key: str, value: object) -> None:
+        if key in self.names():
+            setattr(self, key, value)
+        else:
+            self.extra[key] = value
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.names() or key in self.extra
+
+    def get(self, key: str, default: object = None) -> object:
+        return self[key] if key in self else default
+
+
+@dataclass(kw_only=True)
 class Trajectory:
     """One (conversation, trainable participant) in token space, ready for `build_batch`."""
 
@@ -77,9 +146,12 @@ class Trajectory:
     group: int = 0  # prompt index: samples of one group share their advantage baseline
     status: Status = Status.STOPPED
     reward: float | None = None
-    infos: dict[str, Any] = field(default_factory=dict)
+    # a plain dict given here becomes a TrajectoryInfo (`TrajectoryInfo.of`)
+    infos: TrajectoryInfo = field(default_factory=TrajectoryInfo)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.infos, TrajectoryInfo):  # a plain dict, as trajectories had before
+            self.infos = TrajectoryInfo.of(self.infos)
         validate_tokens(self.token_ids, self.loss_mask, self.rollout_logprobs, where="Trajectory")
         for span in self.turns:
             if span.end > len(self.token_ids):
@@ -169,11 +241,12 @@ def assemble(
     participant: str,
     group: int,
     status: Status,
-    infos: dict[str, Any],
+    infos: TrajectoryInfo,
 ) -> Trajectory:
     """A trajectory over `token_ids`: the chosen turns' masks and, if every chosen turn's
     logprobs fit it (`logprobs_fit`, turn by turn, so a turn short of a logprob cannot borrow a
-    neighbour's surplus), their logprobs; else none, and `infos['logprobs_complete']` says so."""
+    neighbour's surplus), their logprobs; else none, and `infos.logprobs_complete` says so.
+    `infos` is completed with the seat and every turn's finish reason."""
     chosen = select_turns(turns, train, f"trajectory of {participant!r}")
     mask = [0] * len(token_ids)
     for t in chosen:
@@ -194,5 +267,10 @@ def assemble(
         participant=participant,
         group=group,
         status=status,
-        infos={**infos, "logprobs_complete": complete},
+        infos=dataclasses.replace(
+            infos,
+            seat=participant,
+            finish_reasons=[t.finish_reason for t in turns],
+            logprobs_complete=complete,
+        ),
     )

@@ -301,7 +301,7 @@ class GRPOTrainer:
             t.reward = r
             success = self.tasks.success_of(t)
             if success is not None:
-                t.infos["success"] = float(success)
+                t.infos.success = float(success)
 
     def share_over_tp(self, rollout: Rollout) -> Rollout:
         """Under TP every rank of a TP group trains on the same samples: the group's union.
@@ -340,7 +340,7 @@ class GRPOTrainer:
         # so the ranks hold distinct rows (and each its share of every seat's block)
         world = distributed.world_size()
         seed = mix_seed(self.rollout_config.seed, _EVAL_SEED)
-        return self.tasks.eval_rows(self.config.eval_size * world, seed=seed)[self.groups.rank :: world]
+        return list(self.tasks.eval_rows(self.config.eval_size * world, seed=seed))[self.groups.rank :: world]
 
     def scored_evaluation(self, rows: list[object]) -> Rollout:
         """This rank's evaluation rollout of `rows`, scored (collective over the rollout group only)."""
@@ -358,7 +358,7 @@ class GRPOTrainer:
         ]:
             out.append(
                 {
-                    "conversation": t.infos.get("conversation"),
+                    "conversation": t.infos.conversation,
                     "seat": t.participant,
                     "reward": t.reward,  # set by score()
                     "advantage": a,

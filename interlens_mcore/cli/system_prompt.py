@@ -10,11 +10,12 @@ so the tool descriptions join the same system message.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
 from interlens_mcore.rollout.conversation import Participant, Policy
+from interlens_mcore.rollout.rollouter import Rollout, Rollouter
 from interlens_mcore.tasks.base import Task, TaskSource
 from interlens_mcore.types import Message, Trajectory
 
@@ -78,7 +79,7 @@ class SystemPromptSource(TaskSource):
         self.name, self.reward_key, self.stop = source.name, source.reward_key, source.stop
         self.trained_seats, self.frozen_seats = source.trained_seats, source.frozen_seats
 
-    def _wrap(self, rows: list[object]) -> list[object]:
+    def _wrap(self, rows: Sequence[object]) -> list[object]:
         if self.source.scheduler() is not None:
             return [with_system_messages(r, self.text, self.source.name) for r in rows]
         return [SystemPromptTask(inner=cast(Task, r), text=self.text) for r in rows]  # lineup rows
@@ -89,13 +90,13 @@ class SystemPromptSource(TaskSource):
     def eval_rows(self, n: int, *, seed: int) -> list[object]:
         return self._wrap(self.source.eval_rows(n, seed=seed))
 
-    def scheduler(self) -> Any | None:
+    def scheduler(self) -> object | None:
         return self.source.scheduler()
 
-    def run(self, rollouter: Any, rows: list[Any], step: int) -> Any:
+    def run(self, rollouter: Rollouter, rows: Sequence[object], step: int) -> Rollout:
         return self.source.run(rollouter, rows, step)
 
-    def evaluate(self, rollouter: Any, rows: list[Any], step: int) -> Any:
+    def evaluate(self, rollouter: Rollouter, rows: Sequence[object], step: int) -> Rollout:
         return self.source.evaluate(rollouter, rows, step)
 
     def success_of(self, trajectory: Trajectory) -> float | None:

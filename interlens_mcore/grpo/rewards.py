@@ -2,18 +2,19 @@
 
 A `RewardFn` is called once per step with this rank's trajectories and, for each, the row it
 came from; it returns one float per trajectory. Each trajectory carries what scoring needs in
-`infos`:
+`infos` (a `TrajectoryInfo`):
 
-- `infos["env_reward"]`: the environments' own reward for the trajectory's seat (lineups:
+- `infos.env_reward`: the environments' own reward for the trajectory's seat (lineups:
   the sum of `Environment.reward_for(conv, seat)`; schedulers: `rollout_infos[reward_key]`);
-- `infos["completion"]`: the text of the seat's last message; `infos["messages"]`: the
-  conversation as `{"role", "name", "content"}` dicts, as this seat saw it.
+- `infos.completion`: the text of the seat's last message; `infos.messages`: the
+  conversation as `{"role", "name", "content"}` dicts, as this seat saw it;
+- `infos.extra`: what the environments or the scheduler reported under their own keys.
 
 The environment's reward is the default `RewardFn`. Several functions combine with weights
 (as TRL's `reward_funcs` / `reward_weights`); each is logged apart as `reward/<name>`::
 
     def brevity(trajectories, rows):
-        return [1.0 if len(t.infos["completion"]) < 20 else 0.0 for t in trajectories]
+        return [1.0 if len(t.infos.completion) < 20 else 0.0 for t in trajectories]
 
     rewards = WeightedRewards([environment_reward, brevity], weights=[1.0, 0.5])
 """
@@ -47,17 +48,17 @@ def reward_name(fn: object) -> str:
 
 
 def environment_reward(trajectories: Sequence[Trajectory], rows: Sequence[object]) -> list[float]:
-    """The environments' own reward for each trajectory's seat (`infos["env_reward"]`).
+    """The environments' own reward for each trajectory's seat (`infos.env_reward`).
 
     A trajectory a step time limit ended may never have been scored: it gets 0 here (the
     trainer then applies `on_timeout`).
     """
     out = []
     for i, t in enumerate(trajectories):
-        value = t.infos.get("env_reward")
+        value = t.infos.env_reward
         if value is None and t.status is not Status.TIMEOUT:
             raise RewardError(
-                f"trajectory {i} ({t.infos.get('conversation', '?')}, seat {t.participant!r}) has no "
+                f"trajectory {i} ({t.infos.conversation or '?'}, seat {t.participant!r}) has no "
                 "environment reward: its environment's reward() returned None, or its scheduler set "
                 "no reward in rollout_infos; give the task a reward function (--reward MODULE:FN)"
             )
@@ -87,7 +88,7 @@ def checked(fn: object, returned: object, trajectories: Sequence[Trajectory]) ->
     out = []
     for i, (v, t) in enumerate(zip(values, trajectories)):
         if isinstance(v, bool) or not isinstance(v, Real) or not math.isfinite(float(v)):
-            where = f"{t.infos.get('conversation', '?')}, seat {t.participant!r}"
+            where = f"{t.infos.conversation or '?'}, seat {t.participant!r}"
             raise RewardError(
                 f"reward function {name!r} returned {v!r} for trajectory {i} ({where}), "
                 "expected a finite number"

@@ -16,10 +16,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..chat import ChatFormat
+from ..chat import ChatFormat, Tokenizer
 from ..engines.base import Engine, SamplingParams, check_temperature
 from ..engines.sampler import text_seed
-from ..types import Message, Status, TrainTurns, Trajectory, TurnTokens, assemble, check_train_turns
+from ..types import (
+    Message,
+    Status,
+    TrainTurns,
+    Trajectory,
+    TrajectoryInfo,
+    TurnTokens,
+    assemble,
+    check_train_turns,
+)
 from .stop import StopCondition, ambient_conditions
 
 Hook = Callable[["Conversation", Message], "Message | None"]
@@ -45,7 +54,7 @@ class Policy(Participant):
 
     name: str
     engine: Engine
-    tokenizer: Any
+    tokenizer: Tokenizer
     sampling: SamplingParams = field(default_factory=SamplingParams)
     trainable: bool = True
     train_turns: TrainTurns = "all"  # its turns with loss mask 1: "all", the "last", one bool per turn
@@ -87,7 +96,7 @@ class Environment(Participant):
     timeout_s: float | None = None  # limit of one turn in seconds; None: co_step's step_timeout_s
 
     @abstractmethod
-    def respond(self, conv: Conversation) -> Any: ...
+    def respond(self, conv: Conversation) -> object: ...  # str, Message, None, or awaits one
 
     def reward(self, conv: Conversation) -> float | None:
         """The environment's reward for a finished conversation, if it gives one."""
@@ -401,7 +410,6 @@ class Conversation:
 
     def trajectories(self) -> list[Trajectory]:
         """One trajectory per trainable policy participant, in lineup order (`engine_view`)."""
-        infos = {"conversation": self.id, "turns": self.turns_taken, "stop_reason": self.stop_reason}
         return [
             assemble(
                 self.engine_view(p),
@@ -410,7 +418,13 @@ class Conversation:
                 participant=p.name,
                 group=self.group,
                 status=self.status,
-                infos={**infos, **self.infos},
+                infos=TrajectoryInfo(
+                    conversation=self.id,
+                    seed=self.seed,
+                    turns=self.turns_taken,
+                    stop_reason=self.stop_reason,
+                    extra=TrajectoryInfo.split(self.infos),
+                ),
             )
             for p in self.policies()
             if p.trainable

@@ -22,6 +22,7 @@ from ..engines.sampler import mix_seed
 from ..types import Message, Status
 from .conversation import Conversation, Environment, Policy, claim, release
 from .limits import StepTimeout, await_limited, check_time_limit
+from .outcome import Room, fail, labelled, prompt_fills, time_out, truncate, turn_fills
 from .round import (
     Call,
     Driver,
@@ -56,7 +57,18 @@ class _Row:
     conv: Conversation
     policy: Policy  # the conversation's speaker when the row was made
     request: GenerationRequest
-    room: int  # new tokens the engine's context leaves; the turn ends TRUNCATED if it fills it
+    room: Room  # new tokens the engine's context leaves; the turn ends TRUNCATED if it fills it
+    cap: int  # the turn's own token cap
+
+
+@dataclass
+class _Lineup:
+    """A conversation as `outcome` ends it: the reason labelled as its stop reason."""
+
+    conv: Conversation
+
+    def end(self, status: Status, reason: str) -> None:
+        self.conv.end(status, labelled(status, reason))
 
 
 class _CoStep(Driver):
@@ -99,14 +111,10 @@ class _CoStep(Driver):
         return {k: Need(engine=rows[0].policy.engine.name, rows=len(rows)) for k, rows in self.rows.items()}
 
     def _row(self, c: Conversation, p: Policy) -> _Row | None:
-        prompt = c.prompt_ids(p)
-        room = p.engine.max_context - len(prompt)
-        if room <= 0:  # this conversation alone ends; its earlier turns stay
-            c.end(
-                Status.TRUNCATED,
-                f"context: prompt of {len(prompt)} tokens fills {p.engine.name!r}'s "
-                f"context of {p.engine.max_context}",
-            )
+        prompt, engine = c.prompt_ids(p), p.engine
+        room = Room.after(len(prompt), engine.max_context)
+        if not room.fits:  # this conversation alone ends; its earlier turns stay
+            truncate(_Lineup(c), prompt_fills(len(prompt), engine.name, engine.max_context))
             return None
         assert c.seed is not None, "Conversation.start() seeds every conversation"
         cap = c.token_cap()
@@ -114,12 +122,12 @@ class _CoStep(Driver):
         # every sampling option of the policy (top-p/k, penalties, stop strings and ids) rides along
         request = p.sampling.request(
             prompt,
-            max_new_tokens=min(cap, room),
+            max_new_tokens=room.budget(cap),
             seed=mix_seed(self.group_seed, c.seed, c.turns_taken, c.lineup.index(p)),
             stop_token_ids=p.chat.stop_token_ids,
             tag=c.id,
         )
-        return _Row(c, p, request, room if room < cap else cap + 1)
+        return _Row(c, p, request, room, cap)
 
     async def _python_turn(self, c: Conversation) -> None:
         speaker: Environment = c.speaker  # type: ignore[assignment]
@@ -127,7 +135,7 @@ class _CoStep(Driver):
         try:
             out = await await_limited(speaker.respond, c, limit=limit, serial=self.serial)
         except StepTimeout:
-            c.end(Status.TIMEOUT, f"timeout: {speaker.name} exceeded {limit:g} s at turn {c.turns_taken + 1}")
+            time_out(_Lineup(c), speaker.name, limit, c.turns_taken + 1)
             return
         if out is None or isinstance(out, Message):
             msg = out
@@ -189,18 +197,12 @@ def _commit(row_gen: tuple[_Row, Generation]) -> None:
         finish_reason=gen.finish_reason,
     )
     c.commit(p, msg, generated=len(gen.token_ids))
-    if len(gen.token_ids) >= row.room:  # the turn was cut by the context, not by its cap
-        c.end(
-            Status.TRUNCATED,
-            f"context: turn {c.turns_taken} reached {p.engine.name!r}'s context of "
-            f"{p.engine.max_context} tokens",
-        )
+    if row.room.filled(len(gen.token_ids), row.cap):  # the turn was cut by the context, not by its cap
+        truncate(_Lineup(c), turn_fills(c.turns_taken, p.engine.name, p.engine.max_context))
 
 
 def _fail(c: Conversation, exc: Exception) -> None:
-    if not any(f"conversation {c.id}" in n for n in getattr(exc, "__notes__", ())) and c.id not in str(exc):
-        exc.add_note(f"conversation {c.id}")
-    c.end(Status.FAILED, f"{type(exc).__name__}: {exc}")
+    fail(_Lineup(c), exc, note=f"conversation {c.id}", known=c.id)
 
 
 def _check_args(convs, turns, max_batch_size, max_rounds, step_timeout_s) -> None:

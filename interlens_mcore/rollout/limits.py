@@ -18,11 +18,14 @@ import inspect
 import math
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar, cast
+
+T = TypeVar("T")
 
 
-async def maybe_await(value: Any) -> Any:
+async def maybe_await(value: object) -> object:
+    """`value`, awaited if it is awaitable (a hook that may be sync or async)."""
     return await value if inspect.isawaitable(value) else value
 
 
@@ -30,7 +33,7 @@ class StepTimeout(Exception):
     """A limited call ran past its limit (raised by the helpers below, caught by the runners)."""
 
 
-def check_time_limit(value: Any, where: str) -> None:
+def check_time_limit(value: object, where: str) -> None:
     """Raise ValueError naming `where` unless `value` is None or a finite number of seconds > 0."""
     ok = value is None or (
         isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
@@ -39,7 +42,9 @@ def check_time_limit(value: Any, where: str) -> None:
         raise ValueError(f"{where} must be a number of seconds > 0 or None, got {value!r}")
 
 
-def _in_daemon_thread(fn: Callable, args: tuple, deliver: Callable[[bool, Any], None]) -> None:
+def _in_daemon_thread(
+    fn: Callable[..., object], args: tuple[object, ...], deliver: Callable[[bool, object], None]
+) -> None:
     """Run fn(*args) in a daemon thread and hand (ok, value or exception) to `deliver`.
 
     Daemon, and not an executor's worker: a call that never returns must neither block the
@@ -56,7 +61,7 @@ def _in_daemon_thread(fn: Callable, args: tuple, deliver: Callable[[bool, Any], 
     threading.Thread(target=run, daemon=True, name="interlens-limited-step").start()
 
 
-def call_limited(fn: Callable, *args: Any, limit: float | None) -> Any:
+def call_limited(fn: Callable[..., T], *args: object, limit: float | None) -> T:
     """fn(*args) for a synchronous fn; raise StepTimeout if it has not returned after `limit` s.
 
     With a limit the call runs in a daemon thread. A thread cannot be killed: after a
@@ -64,10 +69,10 @@ def call_limited(fn: Callable, *args: Any, limit: float | None) -> Any:
     """
     if limit is None:
         return fn(*args)
-    box: list[tuple[bool, Any]] = []
+    box: list[tuple[bool, object]] = []
     done = threading.Event()
 
-    def deliver(ok: bool, value: Any) -> None:
+    def deliver(ok: bool, value: object) -> None:
         box.append((ok, value))
         done.set()
 
@@ -76,13 +81,17 @@ def call_limited(fn: Callable, *args: Any, limit: float | None) -> Any:
         raise StepTimeout
     ok, value = box[0]
     if not ok:
-        raise value
-    return value
+        raise cast(BaseException, value)
+    return cast(T, value)
 
 
 async def await_limited(
-    fn: Callable, *args: Any, limit: float | None, serial: asyncio.Lock, threaded: bool = False
-) -> Any:
+    fn: Callable[..., object],
+    *args: object,
+    limit: float | None,
+    serial: asyncio.Lock,
+    threaded: bool = False,
+) -> Any:  # what the user's call returned, sync or async: the caller checks it
     """fn(*args), sync or async, awaited; raise StepTimeout once `limit` s have passed.
 
     Without a limit an async fn is awaited and a sync one runs inline, as they always have
@@ -96,12 +105,12 @@ async def await_limited(
     if limit is None and not threaded:
         return await maybe_await(fn(*args))
     if inspect.iscoroutinefunction(fn):
-        return await _within(fn(*args), limit)
+        return await _within(cast(Awaitable[object], fn(*args)), limit)
     loop = asyncio.get_running_loop()
     async with serial:
         start, future = time.monotonic(), loop.create_future()
 
-        def deliver(ok: bool, value: Any) -> None:
+        def deliver(ok: bool, value: object) -> None:
             try:
                 loop.call_soon_threadsafe(_settle, future, ok, value)
             except RuntimeError:  # the loop is closed: the caller gave up on this call long ago
@@ -114,12 +123,12 @@ async def await_limited(
     return value
 
 
-def _settle(future: asyncio.Future, ok: bool, value: Any) -> None:
+def _settle(future: asyncio.Future[object], ok: bool, value: object) -> None:
     if not future.done():  # a timed-out call's future was cancelled
-        future.set_result(value) if ok else future.set_exception(value)
+        future.set_result(value) if ok else future.set_exception(cast(BaseException, value))
 
 
-async def _within(awaitable: Any, limit: float | None) -> Any:
+async def _within(awaitable: Awaitable[T], limit: float | None) -> T:
     # asyncio.wait rather than wait_for: a TimeoutError raised by the call itself stays an error
     task = asyncio.ensure_future(awaitable)
     done, _ = await asyncio.wait({task}, timeout=None if limit is None else max(limit, 0.0))

@@ -24,14 +24,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import cached_property
-from typing import Any
 
+from ..chat import Tokenizer
 from ..engines.base import Engine
 from ..grpo.batch import Layout, pad_id
-from ..grpo.rewards import WeightedRewards, environment_reward
+from ..grpo.rewards import RewardFn, WeightedRewards, environment_reward
 from ..types import Trajectory
 from .multiturn import MultiTurnScheduler
-from .rollouter import Rollout, RolloutConfig, Rollouter, micro_batches, rollout_advantages
+from .rollouter import Rollout, RolloutConfig, Rollouter, RolloutGroup, micro_batches, rollout_advantages
 
 __all__ = ["Rollout", "RolloutConfig", "RolloutMixin"]
 
@@ -39,11 +39,11 @@ __all__ = ["Rollout", "RolloutConfig", "RolloutMixin"]
 class RolloutMixin:
     """Rollout, reward, advantages and micro-batches for a GRPO trainer (see the module docstring)."""
 
-    engine: Any
-    tokenizer: Any
-    groups: Any  # distributed.ParallelGroups
+    engine: Engine
+    tokenizer: Tokenizer
+    groups: RolloutGroup  # distributed.ParallelGroups
     rollout_config: RolloutConfig
-    reward_fns: Sequence[Any] = (environment_reward,)
+    reward_fns: Sequence[RewardFn] = (environment_reward,)
     frozen_seats: tuple[str, ...] = ()
     layout: Layout = "packed"  # of the training batches: "packed" (THD) or "padded" [B, T]
     pad_to_multiple: int = 1
@@ -55,7 +55,7 @@ class RolloutMixin:
     def frozen_engine(self) -> Engine:
         raise NotImplementedError(f"{type(self).__name__} sets frozen_seats but has no frozen_engine()")
 
-    def compute_rewards(self, trajectories: Sequence[Trajectory], rows: Sequence[Any]) -> list[float]:
+    def compute_rewards(self, trajectories: Sequence[Trajectory], rows: Sequence[object]) -> list[float]:
         """One reward per trajectory: `reward_fns` summed (rows[i] is trajectories[i]'s row)."""
         return WeightedRewards(list(self.reward_fns))(trajectories, rows)
 
@@ -74,7 +74,7 @@ class RolloutMixin:
         """The trained participant of single-policy tasks (the seat named "policy")."""
         return self.rollouter.trained("policy")
 
-    def generate_rollouts(self, rows: Sequence[Any], step: int) -> Rollout:
+    def generate_rollouts(self, rows: Sequence[object], step: int) -> Rollout:
         """Run, score and advantage this rank's samples of `rows` (collective)."""
         rollout = self.rollouter.run(rows, step, self.scheduler())
         for t, r in zip(
@@ -84,7 +84,7 @@ class RolloutMixin:
         rollout.advantages, rollout.keep = rollout_advantages(rollout.trajectories, self.rollout_config)
         return rollout
 
-    def evaluate(self, rows: Sequence[Any], step: int) -> Rollout:
+    def evaluate(self, rows: Sequence[object], step: int) -> Rollout:
         """Each row once, the trained policy in every policy seat, rewards set (collective)."""
         rollout = self.rollouter.evaluate(rows, step)
         for t, r in zip(

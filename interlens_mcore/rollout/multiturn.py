@@ -14,10 +14,11 @@ import asyncio
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
+from ..engines.base import SamplingParams
 from ..types import Status, TrainTurns, check_train_turns
 from .limits import StepTimeout, await_limited, call_limited, check_time_limit
+from .outcome import fail, time_out, truncate
 from .results import (
     STEP_KEYS,
     TURN_END_KEYS,
@@ -73,7 +74,7 @@ class _Run:
     # ids >= vocab_size the engine sampled: a model's vocabulary may be padded past its tokenizer
     sampled: set[int] = field(default_factory=set)
 
-    def check_ids(self, ids: Any, where: str) -> None:
+    def check_ids(self, ids: object, where: str) -> None:
         check_ids(ids, where, self.vocab_size, self.sampled)
 
 
@@ -84,7 +85,7 @@ class _Slot:
     request: MultiTurnRequest
     output: RolloutOutput
     choice: ResponseChoice | None = None
-    turn_end: Any = None  # what on_turn_end returned (or raised) this round
+    turn_end: object = None  # what on_turn_end returned (or raised) this round
     continuing: bool = False  # the next response extends the last turn
 
     @property
@@ -110,7 +111,7 @@ def _accept(slot: _Slot, turn: int, run: _Run) -> None:
         messages.append({"role": "assistant", "content": choice.text})
 
 
-def _apply_step(slot: _Slot, result: Any, run: _Run, turn: int) -> None:
+def _apply_step(slot: _Slot, result: object, run: _Run, turn: int) -> None:
     """Record the turn as the scheduler's step shaped it and move to its next request."""
     where = f"{_where(slot, turn)}: scheduler.step()"
     step = step_result(result, slot.request, slot.answer, where, run.check_ids)
@@ -134,10 +135,27 @@ def _freeze(slot: _Slot, turn: int, status: Status) -> None:
 
 def _time_out(slot: _Slot, turn: int, call: str, limit: float | None) -> bool:
     """A hook or step ran past its limit: the request ends as if finished, status TIMEOUT."""
-    assert limit is not None, "only a call run under a limit times out"
-    _freeze(slot, turn, Status.TIMEOUT)
-    slot.output.rollout_infos["timeout"] = f"{call} exceeded {limit:g} s at turn {turn}"
+    time_out(_Ending(slot, turn), call, limit, turn)
     return False
+
+
+@dataclass
+class _Ending:
+    """A request as `outcome` ends it: a timeout or a full context freezes its last response (a
+    timeout says which call ran late in `rollout_infos["timeout"]`); a failure keeps its reason
+    as the output's error."""
+
+    slot: _Slot
+    turn: int = 0
+
+    def end(self, status: Status, reason: str) -> None:
+        output = self.slot.output
+        if status in (Status.TIMEOUT, Status.TRUNCATED):
+            _freeze(self.slot, self.turn, status)
+            if status is Status.TIMEOUT:
+                output.rollout_infos["timeout"] = reason
+        else:
+            output.status, output.error = status, reason
 
 
 def _finish_or_step(slot: _Slot, run: _Run, turn: int) -> bool:
@@ -149,7 +167,7 @@ def _finish_or_step(slot: _Slot, run: _Run, turn: int) -> bool:
     done, infos = turn_end_result(slot.turn_end, f"{_where(slot, turn)}: on_turn_end")
     slot.output.rollout_infos.update(infos)
     if slot.answer.truncated:  # no room for another turn: this request alone ends, its turns kept
-        _freeze(slot, turn, Status.TRUNCATED)
+        truncate(_Ending(slot, turn), "the engine's context is full")
         return False
     finished = done if done is not None else scheduler.check_finished(slot.request, slot.answer, turn)
     capped = any(m is not None and turn >= m for m in (max_turns, scheduler.max_turns))
@@ -165,13 +183,20 @@ def _finish_or_step(slot: _Slot, run: _Run, turn: int) -> bool:
 
 
 def _fail(slot: _Slot, exc: Exception) -> None:
-    slot.output.status, slot.output.error = Status.FAILED, f"{type(exc).__name__}: {exc}"
+    fail(_Ending(slot), exc)
 
 
 class _Turns(Driver):
     """run_multi_turn's half of the lockstep round: the scheduler's work, then one rollout_fn call."""
 
-    def __init__(self, run: _Run, requests, first, rollout_fn: RolloutFn, request_config: Any):
+    def __init__(
+        self,
+        run: _Run,
+        requests: Sequence[MultiTurnRequest],
+        first: Sequence[ResponseChoice],
+        rollout_fn: RolloutFn,
+        request_config: SamplingParams,
+    ):
         self.run, self.requests, self.choices = run, requests, first
         self.rollout_fn, self.request_config = rollout_fn, request_config
         self.slots: list[_Slot] | None = None  # None until started (in the first local phase)
@@ -241,7 +266,7 @@ async def run_multi_turn_async(
     first_turn_outputs: Sequence[ResponseChoice],
     scheduler: MultiTurnScheduler,
     rollout_fn: RolloutFn,
-    request_config: Any,
+    request_config: SamplingParams,
     max_turns: int | None = None,
     gather_fn: GatherFn = local_gather,
     *,
@@ -272,7 +297,7 @@ def run_multi_turn(
     first_turn_outputs: Sequence[ResponseChoice],
     scheduler: MultiTurnScheduler,
     rollout_fn: RolloutFn,
-    request_config: Any,
+    request_config: SamplingParams,
     max_turns: int | None = None,
     gather_fn: GatherFn = local_gather,
     *,

@@ -12,7 +12,6 @@ import math
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from typing import Any
 
 from ..types import validate_tokens
 from .limits import maybe_await
@@ -23,7 +22,9 @@ STEP_KEYS = ("infer_request", "response_token_ids", "response_loss_mask", "rollo
 TURN_END_KEYS = ("done", "rollout_infos")
 
 
-def check_ids(ids: Any, where: str, vocab_size: int | None, sampled: AbstractSet[int] = frozenset()) -> None:
+def check_ids(
+    ids: object, where: str, vocab_size: int | None, sampled: AbstractSet[int] = frozenset()
+) -> None:
     """Token ids: a list of Python ints >= 0, below `vocab_size` unless the engine sampled them
     (a model's vocabulary may be padded past its tokenizer's)."""
     if not isinstance(ids, list):
@@ -35,7 +36,7 @@ def check_ids(ids: Any, where: str, vocab_size: int | None, sampled: AbstractSet
             raise ValueError(f"{where}[{i}] is {t!r}; expected an int >= 0{below} (not a bool)")
 
 
-def check_logprobs(logprobs: Any, where: str) -> None:
+def check_logprobs(logprobs: object, where: str) -> None:
     """None, or a list of finite numbers; any length (the completeness rule judges the length)."""
     if logprobs is None:
         return
@@ -48,20 +49,20 @@ def check_logprobs(logprobs: Any, where: str) -> None:
             raise ValueError(f"{where} must be finite, got {x!r} at [{i}]")
 
 
-def check_infos(infos: Any, where: str) -> dict[str, Any]:
+def check_infos(infos: object, where: str) -> dict[str, object]:
     if infos is not None and not isinstance(infos, dict):
         raise ValueError(f"{where} rollout_infos must be a dict or None, got {type(infos).__name__}")
     return infos or {}
 
 
-def check_keys(result: dict, allowed: tuple[str, ...], where: str) -> None:
+def check_keys(result: dict[str, object], allowed: tuple[str, ...], where: str) -> None:
     # a misspelt key would otherwise be ignored, and the turn recorded as the engine gave it
     unknown = sorted(str(k) for k in result if k not in allowed)
     if unknown:
         raise ValueError(f"{where} returned unknown key(s) {unknown}; expected some of {list(allowed)}")
 
 
-def check_choice(choice: Any, where: str) -> ResponseChoice:
+def check_choice(choice: object, where: str) -> ResponseChoice:
     """What a rollout_fn returned for one request; sampled ids are not bounded by the tokenizer."""
     if not isinstance(choice, ResponseChoice):
         raise ValueError(f"{where} must return ResponseChoice, got {choice!r}")
@@ -72,7 +73,7 @@ def check_choice(choice: Any, where: str) -> ResponseChoice:
     return choice
 
 
-def turn_end_result(result: Any, where: str) -> tuple[bool | None, dict[str, Any]]:
+def turn_end_result(result: object, where: str) -> tuple[bool | None, dict[str, object]]:
     """(done, rollout_infos) of what `on_turn_end` returned; done None lets check_finished decide."""
     if result is None:
         return None, {}
@@ -93,19 +94,19 @@ class StepResult:
     ids: list[int]
     mask: list[int]
     logprobs: list[float] | None
-    infos: dict[str, Any]
+    infos: dict[str, object]
 
 
 def step_result(
-    result: Any,
+    result: object,
     req: MultiTurnRequest,
     choice: ResponseChoice,
     where: str,
-    check_ids: Callable[[Any, str], None],
+    check_ids: Callable[[object, str], None],
 ) -> StepResult:
     """Check a step's result against the request it answers; `check_ids` knows the vocabulary."""
     nxt = result.get("infer_request") if isinstance(result, dict) else None
-    if not isinstance(nxt, MultiTurnRequest):
+    if not isinstance(result, dict) or not isinstance(nxt, MultiTurnRequest):
         raise ValueError(
             f"{where} must return a dict with 'infer_request' (a MultiTurnRequest), got {result!r}"
         )

@@ -7,30 +7,37 @@ Each row becomes `num_generations` samples on this rank. A row that lays out a l
 (the seat's last message), `messages` (the transcript as the seat saw it) and, where the task
 reports one, `success`.
 
-Sampling seeds depend only on (seed, step, rank, row, sample), so a resumed run replays the
-same samples.
+Every path expands rows the same way (`expand_rows`): a sample's group, index, id and seed
+depend only on (seed, step, rank, row, sample), so a resumed run replays the same samples, and
+the same rows get the same samples whichever path runs them. `Rollouter.plan` is what a task
+source with its own driver (ms-swift's) takes from the rollouter.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Generic, Literal, Protocol, TypeVar, runtime_checkable
 
 import torch
 
+from ..chat import ChatFormat, Tokenizer
 from ..engines.base import Engine, SamplingParams
 from ..engines.sampler import mix_seed
 from ..grpo.advantages import group_advantages
 from ..grpo.batch import Layout, TrainingBatch, build_batch
-from ..types import Status, Trajectory
-from .conversation import Conversation, Environment, Policy
+from ..types import Message, Status, Trajectory
+from .conversation import Conversation, Environment, Participant, Policy
 from .costep import co_step
 from .limits import check_time_limit
 from .multiturn import EngineRollout, MultiTurnRequest, MultiTurnScheduler, prepare_requests, run_multi_turn
 from .stop import MaxTurns
+from .vote import GatherFn
+
+R = TypeVar("R")
+R_co = TypeVar("R_co", covariant=True)  # a sample of a dict row is a sample of an object
 
 _EVAL_SALT = 0x6576616C  # folded into evaluation seeds, so they never repeat a training step's
 
@@ -110,12 +117,63 @@ class RolloutConfig:
         )
 
 
+@runtime_checkable
+class Task(Protocol):
+    """One row of a step: an opening transcript, a lineup, and a turn cap.
+
+    `lineup(seat)` returns the participants in speaking order; `seat(name)` is the trainer's
+    policy for a seat (trained, or frozen when the task source says so), so the task decides
+    which seats a policy plays and which an environment or fixed opponent takes.
+    """
+
+    max_turns: int
+
+    def prompt(self) -> list[Message]: ...
+
+    def lineup(self, seat: Callable[[str], Policy]) -> list[Participant]: ...
+
+
+class RolloutGroup(Protocol):
+    """The rollout group as the rollouter sees it (`distributed.ParallelGroups`)."""
+
+    @property
+    def rank(self) -> int: ...  # the global rank: what a failure's message names
+
+    def gather_fn(self) -> GatherFn: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sample(Generic[R_co]):
+    """One sample of a row: what every rollout path runs it under (see `expand_rows`)."""
+
+    row: R_co
+    group: int  # the row's place on this rank: the sample's advantage group
+    generation: int  # which of the row's samples
+    index: int  # unique across ranks: names the sample in errors, orders it
+    id: str  # the conversation's id (an ms-swift request's uuid)
+    seed: int  # the sample's random stream
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutPlan(Generic[R_co]):
+    """One step's samples on this rank and what a driver runs them with (`Rollouter.plan`)."""
+
+    samples: Sequence[Sample[R_co]]
+    group_seed: int  # folded into every turn's seed, with the sample's own and the turn
+    engine: Engine
+    tokenizer: Tokenizer
+    sampling: SamplingParams
+    gather_fn: GatherFn  # the rollout group's vote
+    rank: int
+    step_timeout_s: float | None
+
+
 @dataclass
 class Rollout:
     """One step's rollouts on this rank (after scoring: rewards, advantages, keep)."""
 
     trajectories: list[Trajectory]  # [N] in (row, generation, seat) order
-    rows: list[Any]  # [N] the row each trajectory came from
+    rows: list[object]  # [N] the row each trajectory came from
     advantages: torch.Tensor | None = None  # [N] float32
     keep: torch.Tensor | None = None  # [N] bool: False for dropped groups and dropped timeouts
     conversations: list[Conversation] = field(default_factory=list)  # this rank's; empty for schedulers
@@ -157,8 +215,8 @@ class Rollouter:
         self,
         *,
         engine: Engine,
-        tokenizer: Any,
-        groups: Any,
+        tokenizer: Tokenizer,
+        groups: RolloutGroup,
         config: RolloutConfig,
         frozen_seats: Sequence[str] = (),
         frozen_engine: Callable[[], Engine] | None = None,
@@ -203,9 +261,35 @@ class Rollouter:
         return self._frozen_engine_fn()
 
     # -- the step ---------------------------------------------------------------------------------
+    def plan(self, rows: Sequence[R], step: int, *, evaluation: bool = False) -> RolloutPlan[R]:
+        """This rank's samples of `rows` and what a driver runs them with (no engine call).
+
+        Training takes `num_generations` samples of every row; evaluation one, under seeds no
+        training step uses. Every rollout path (lineups, native and ms-swift schedulers) runs
+        the samples of a plan, so a row's samples get the same seeds, indices and ids on each.
+        """
+        cfg, salt = self.config, (_EVAL_SALT,) if evaluation else ()
+        stream = (cfg.seed, step, *salt)
+        return RolloutPlan(
+            samples=expand_rows(
+                rows,
+                num_generations=1 if evaluation else cfg.num_generations,
+                rank=self.groups.rank,
+                stream=stream,
+                tag=f"eval{step}" if evaluation else f"s{step}",
+            ),
+            group_seed=mix_seed(*stream),
+            engine=self.engine,
+            tokenizer=self.tokenizer,
+            sampling=self.sampling,
+            gather_fn=self.groups.gather_fn(),
+            rank=self.groups.rank,  # the global rank: what a failure's message names
+            step_timeout_s=cfg.step_timeout_s,
+        )
+
     def run(
         self,
-        rows: Sequence[Any],
+        rows: Sequence[object],
         step: int,
         scheduler: MultiTurnScheduler | None = None,
         *,
@@ -217,123 +301,166 @@ class Rollouter:
         fields reach the scheduler in `request.data`), and `rollout_infos[reward_key]` is the
         environment reward.
         """
+        plan = self.plan(rows, step)
         if scheduler is not None:
-            return self._scheduled(scheduler, rows, step, reward_key)
-        rank, n = self.groups.rank, self.config.num_generations
-        convs, conv_rows = [], []
-        for i, row in enumerate(rows):
-            for k in range(n):
-                seed = mix_seed(self.config.seed, step, rank, i, k)
-                convs.append(_conversation(row, self.seat, f"s{step}-r{rank}-p{i}-g{k}", seed, i))
-                conv_rows.append(row)
-        return self._lineups(convs, conv_rows, mix_seed(self.config.seed, step))
+            return self._scheduled(scheduler, plan, reward_key)
+        return self._lineups(plan, self.seat)
 
-    def evaluate(self, rows: Sequence[Any], step: int) -> Rollout:
+    def evaluate(self, rows: Sequence[object], step: int) -> Rollout:
         """Each row played once, the trained policy in every policy seat (collective).
 
         Also a seat a frozen opponent holds in training: evaluation measures what training
         changes. Seeds differ from every training step's.
         """
-        rank = self.groups.rank
-        convs = [
-            _conversation(
-                row,
-                self.trained,
-                f"eval{step}-r{rank}-p{i}",
-                mix_seed(self.config.seed, step, rank, i, _EVAL_SALT),
-                i,
-            )
-            for i, row in enumerate(rows)
-        ]
-        return self._lineups(convs, list(rows), mix_seed(self.config.seed, step, _EVAL_SALT))
+        return self._lineups(self.plan(rows, step, evaluation=True), self.trained)
 
-    def _lineups(self, convs: list[Conversation], conv_rows: list[Any], group_seed: int) -> Rollout:
+    def _lineups(self, plan: RolloutPlan[object], seat: Callable[[str], Policy]) -> Rollout:
+        convs = [_conversation(s, seat) for s in plan.samples]
         co_step(
             convs,
             turns=None,
             max_batch_size=self.config.max_batch_size,
-            group_seed=group_seed,
-            gather_fn=self.groups.gather_fn(),
-            rank=self.groups.rank,  # the global rank: what a failure's message names
+            group_seed=plan.group_seed,
+            gather_fn=plan.gather_fn,
+            rank=plan.rank,
             engines=self.engines(),
-            step_timeout_s=self.config.step_timeout_s,
+            step_timeout_s=plan.step_timeout_s,
         )
         trajectories, rows = [], []
-        for conv, row in zip(convs, conv_rows, strict=True):
+        for conv, sample in zip(convs, plan.samples, strict=True):
             for t in conv.trajectories():
-                describe(t, conv)
+                describe(t, conv, sample)
                 trajectories.append(t)
-                rows.append(row)
+                rows.append(sample.row)
         return Rollout(trajectories=trajectories, rows=rows, conversations=convs)
 
     def _scheduled(
-        self, scheduler: MultiTurnScheduler, rows: Sequence[Any], step: int, reward_key: str
+        self, scheduler: MultiTurnScheduler, plan: RolloutPlan[object], reward_key: str
     ) -> Rollout:
-        cfg, chat = self.config, self.trained("policy").chat
-        requests, req_rows, n = [], [], cfg.num_generations
-        for i, row in enumerate(rows):
-            messages, data = (row["messages"], row) if isinstance(row, dict) else (row, {})
-            extra = {k: v for k, v in data.items() if k != "messages"}
-            for k in range(n):
-                index = (self.groups.rank * len(rows) + i) * n + k
-                requests.append(
-                    MultiTurnRequest.from_messages(chat, messages, index=index, data={**extra, "group": i})
-                )
-                req_rows.append(row)
-        rollout_fn = EngineRollout(self.engine, chat, seed=mix_seed(cfg.seed, step))
+        chat = self.trained("policy").chat
+        requests = [_request(chat, s) for s in plan.samples]
+        rollout_fn = EngineRollout(plan.engine, chat, seed=plan.group_seed)
         requests = prepare_requests(scheduler, requests)  # the scheduler's before_first_turn
-        first = rollout_fn(requests, self.sampling)  # collective: every rank has rows every step
+        first = rollout_fn(requests, plan.sampling)  # collective: every rank has rows every step
         outputs = run_multi_turn(
             requests,
             first,
             scheduler,
             rollout_fn,
-            self.sampling,
-            gather_fn=self.groups.gather_fn(),
-            rank=self.groups.rank,
-            step_timeout_s=cfg.step_timeout_s,
+            plan.sampling,
+            gather_fn=plan.gather_fn,
+            rank=plan.rank,
+            step_timeout_s=plan.step_timeout_s,
         )
         trajectories = []
-        for o in outputs:
-            t = o.to_trajectory(group=o.request.data["group"])
-            t.infos["env_reward"] = t.infos.get(reward_key)
-            t.infos["turns"] = o.num_turns
-            replies = [m["content"] for m in o.request.messages if m.get("role") == "assistant"]
-            t.infos["completion"] = replies[-1] if replies else ""
-            t.infos["messages"] = list(o.request.messages)
+        for o, sample in zip(outputs, plan.samples, strict=True):
+            t = o.to_trajectory(group=sample.group)
+            describe_request(t, sample.id, o.request.messages, reward_key)
             trajectories.append(t)
-        return Rollout(trajectories=trajectories, rows=req_rows)
+        return Rollout(trajectories=trajectories, rows=[s.row for s in plan.samples])
 
 
-def _conversation(row: Any, seat: Callable[[str], Policy], cid: str, seed: int, group: int) -> Conversation:
+def expand_rows(
+    rows: Sequence[R], *, num_generations: int, rank: int, stream: Sequence[int], tag: str
+) -> list[Sample[R]]:
+    """`num_generations` samples of each row, in (row, generation) order: the one expansion of
+    every rollout path.
+
+    A sample's group is its row's place on this rank (its samples share an advantage baseline);
+    its index, `(rank * len(rows) + row) * num_generations + generation`, is unique across ranks
+    that hold as many rows; its id is `<tag>-r<rank>-p<row>-g<generation>`; its seed folds
+    `stream`, the rank, the row and the generation, so it depends on nothing else (a resumed run
+    replays it).
+    """
+    if num_generations < 1:
+        raise ValueError(f"num_generations must be >= 1, got {num_generations}")
+    out = []
+    for i, row in enumerate(rows):
+        for k in range(num_generations):
+            index = (rank * len(rows) + i) * num_generations + k
+            seed = mix_seed(*stream, rank, i, k)
+            cid = f"{tag}-r{rank}-p{i}-g{k}"
+            out.append(Sample(row=row, group=i, generation=k, index=index, id=cid, seed=seed))
+    return out
+
+
+def _conversation(sample: Sample[object], seat: Callable[[str], Policy]) -> Conversation:
     """One sample of a lineup row: its seats filled by `seat`, its turn cap, its own seed."""
+    row = sample.row
+    if not isinstance(row, Task):  # a dataset row (messages) given to the lineup path
+        raise ValueError(
+            f"row {sample.group}: expected a Task (prompt(), lineup(seat), max_turns), got {row!r}; "
+            "rows of a message dataset need the task source's scheduler"
+        )
     return Conversation(
         row.lineup(seat),
         prompt=row.prompt(),
         run_until=MaxTurns(row.max_turns),
-        id=cid,
-        seed=seed,
-        group=group,
+        id=sample.id,
+        seed=sample.seed,
+        group=sample.group,
     )
 
 
-def describe(t: Trajectory, conv: Conversation) -> None:
+def _request(chat: ChatFormat, sample: Sample[object]) -> MultiTurnRequest:
+    """One sample of a scheduler row: a message list, or a dict whose other fields are its data."""
+    row = sample.row
+    messages, data = (row.get("messages"), row) if isinstance(row, dict) else (row, {})
+    if not isinstance(messages, list):
+        raise ValueError(
+            f"row {sample.group}: expected a message list or a dict with a 'messages' list, got {row!r}"
+        )
+    extra = {k: v for k, v in data.items() if k != "messages"}
+    return MultiTurnRequest.from_messages(
+        chat, messages, index=sample.index, seed=sample.seed, data={**extra, "group": sample.group}
+    )
+
+
+def describe_request(
+    t: Trajectory, conversation: str, messages: Sequence[Mapping[str, object]], reward_key: str | None
+) -> None:
+    """Fill a scheduler sample's `t.infos` with what reward functions and records read: its id,
+    transcript, last reply, and as its `env_reward` the scheduler's `rollout_infos[reward_key]`
+    (None where the scheduler set none)."""
+    info = t.infos
+    info.conversation = conversation
+    reward = None if reward_key is None else info.extra.get(reward_key)
+    info.env_reward = None if reward is None else _number(reward, reward_key, conversation)
+    replies = [m.get("content") for m in messages if m.get("role") == "assistant"]
+    info.completion = str(replies[-1] or "") if replies else ""
+    info.messages = [dict(m) for m in messages]
+
+
+def _number(value: object, key: str | None, conversation: str) -> float:
+    try:
+        return float(value)  # type: ignore[arg-type]  # whatever float() takes: numpy, tensors
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"request {conversation}: rollout_infos[{key!r}] is {value!r}; expected a number (the reward)"
+        ) from None
+
+
+def describe(t: Trajectory, conv: Conversation, sample: Sample[object] | None = None) -> None:
     """Fill `t.infos` with what reward functions and records read (see the module docstring)."""
-    seat = t.participant
+    seat, info = t.participant, t.infos
+    if sample is not None:
+        info.index = sample.index
     given = [p.reward_for(conv, seat) for p in conv.lineup if isinstance(p, Environment)]
     scores = [s for s in given if s is not None]
-    t.infos["env_reward"] = float(sum(scores)) if scores else None
+    info.env_reward = float(sum(scores)) if scores else None
     own = [m.content for m in conv.messages if m.speaker == seat]
-    t.infos["completion"] = own[-1] if own else ""
-    t.infos["messages"] = [
+    info.completion = own[-1] if own else ""
+    info.messages = [  # the committed messages; the opening ones are the row's prompt()
         {"role": "assistant" if m.speaker == seat else m.role, "name": m.speaker, "content": m.content}
         for m in conv.messages
     ]
     outcome = conv.infos.get("outcome")
+    if isinstance(outcome, dict):
+        info.outcome = {str(k): float(v) for k, v in outcome.items()}
     if isinstance(outcome, dict) and seat in outcome:
-        t.infos["success"] = float(outcome[seat])
+        info.success = float(outcome[seat])
     elif conv.infos.get("success") is not None:
-        t.infos["success"] = float(conv.infos["success"])
+        info.success = float(conv.infos["success"])
 
 
 def rollout_advantages(

@@ -33,7 +33,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -196,7 +196,7 @@ def check_held(calls: list[Call], ballots: Sequence[Ballot], driver: Driver) -> 
 
 async def settle(
     items: Sequence[T],
-    step: Callable[[T], Awaitable[Any]],
+    step: Callable[[T], Awaitable[object]],
     fail: Callable[[T, Exception], None],
     errors: list[Exception],
 ) -> list[T]:
@@ -218,7 +218,7 @@ async def settle(
 
 def each(
     items: Sequence[T],
-    step: Callable[[T], Any],
+    step: Callable[[T], object],
     fail: Callable[[T, Exception], None],
     errors: list[Exception],
 ) -> list[T]:

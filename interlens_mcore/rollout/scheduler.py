@@ -21,7 +21,8 @@ from typing import Any
 from ..chat import ChatFormat
 from ..engines.base import Engine, SamplingParams, check_temperature
 from ..engines.sampler import mix_seed
-from ..types import Status, TrainTurns, Trajectory, TurnTokens, assemble, logprobs_fit
+from ..types import Status, TrainTurns, Trajectory, TrajectoryInfo, TurnTokens, assemble, logprobs_fit
+from .outcome import Room
 from .vote import RolloutError, RolloutValueError
 
 
@@ -30,6 +31,8 @@ class MultiTurnRequest:
     """One conversation's next engine call, in token space."""
 
     index: int  # stable id over all ranks: names the request in errors and seeds its samples
+    # the sample's random stream (a rollouter's row expansion sets it); None: seeded by `index`
+    seed: int | None = None
     prompt_ids: list[int]  # exactly what the engine conditions on (ends with the assistant opener)
     messages: list[dict[str, str]] = field(default_factory=list)  # text transcript, for schedulers
     data: dict[str, Any] = field(default_factory=dict)  # free per-request state (answer, env config)
@@ -43,7 +46,13 @@ class MultiTurnRequest:
 
     @classmethod
     def from_messages(
-        cls, chat: ChatFormat, messages: list[dict[str, str]], *, index: int, data: dict | None = None
+        cls,
+        chat: ChatFormat,
+        messages: list[dict[str, str]],
+        *,
+        index: int,
+        data: dict[str, Any] | None = None,
+        seed: int | None = None,
     ) -> MultiTurnRequest:
         """Render every message once, then open the assistant's turn.
 
@@ -58,7 +67,9 @@ class MultiTurnRequest:
         ids = opening + chat.generation_prompt_ids()
         if prefill:
             ids += chat.encode_text(messages[-1]["content"])
-        return cls(index=index, prompt_ids=ids, messages=[dict(m) for m in messages], data=data or {})
+        return cls(
+            index=index, seed=seed, prompt_ids=ids, messages=[dict(m) for m in messages], data=data or {}
+        )
 
 
 @dataclass(kw_only=True)
@@ -144,7 +155,9 @@ class RolloutOutput:
 
         `train_turns` (default: the run's) picks the trained turns: "all", the "last", or
         one bool per turn. Incomplete logprobs are dropped, which turns IS correction off for
-        this sample; `infos['logprobs_complete']` says so, so the trainer can count it.
+        this sample; `infos.logprobs_complete` says so, so the trainer can count it. The
+        infos hold the request's index, seed and turn count; every other `rollout_infos` key
+        (a timeout's message, the scheduler's reward) is in `infos.extra`.
         """
         ids = self.prompt_ids + [t for turn in self.response_token_ids for t in turn]
         turns = [
@@ -168,7 +181,12 @@ class RolloutOutput:
             participant=participant,
             group=group,
             status=self.status,
-            infos=dict(self.rollout_infos),
+            infos=TrajectoryInfo(
+                index=self.request.index,
+                seed=self.request.seed,
+                turns=self.num_turns,
+                extra=TrajectoryInfo.split({k: v for k, v in self.rollout_infos.items() if k != "num_turns"}),
+            ),
         )
 
 
@@ -233,7 +251,7 @@ class MultiTurnScheduler(ABC):
 
     async def on_turn_end(
         self, request: MultiTurnRequest, response_choice: ResponseChoice, current_turn: int
-    ) -> dict[str, Any] | None:
+    ) -> dict[str, object] | None:
         """Runs concurrently for all requests of a round; may return `done` and `rollout_infos`.
 
         A `done` that is not None decides instead of `check_finished`.
@@ -251,7 +269,7 @@ class MultiTurnScheduler(ABC):
     @abstractmethod
     def step(
         self, request: MultiTurnRequest, response_choice: ResponseChoice, current_turn: int
-    ) -> dict[str, Any]:
+    ) -> dict[str, object]:
         """Return {"infer_request": next request, ...optional turn overrides and rollout_infos}."""
 
     def _chat(self) -> ChatFormat:
@@ -358,8 +376,8 @@ class ToolScheduler(MultiTurnScheduler):
 class EngineRollout:
     """A `rollout_fn` over an `Engine`: one generate call per round, seeds per (request, turn).
 
-    The seed depends only on `seed`, the request's index and its turn, so a request's tokens
-    do not depend on which other requests share the round.
+    The seed depends only on `seed`, the request's own seed (its index when it has none) and
+    its turn, so a request's tokens do not depend on which other requests share the round.
     """
 
     engine: Engine
@@ -369,13 +387,13 @@ class EngineRollout:
     def __call__(self, requests: Sequence[MultiTurnRequest], config: SamplingParams) -> list[ResponseChoice]:
         """One choice per request; a request the context cannot hold gets an empty truncated one."""
         check_temperature(config.temperature, "EngineRollout")
-        room = [self.engine.max_context - len(r.prompt_ids) for r in requests]
-        fits = [i for i, r in enumerate(requests) if room[i] > 0]
+        room = [Room.after(len(r.prompt_ids), self.engine.max_context) for r in requests]
+        fits = [i for i in range(len(requests)) if room[i].fits]
         rows = [
             config.request(
                 requests[i].prompt_ids,
-                seed=mix_seed(self.seed, requests[i].index, requests[i].turn),
-                max_new_tokens=min(config.max_new_tokens, room[i]),
+                seed=mix_seed(self.seed, _stream(requests[i]), requests[i].turn),
+                max_new_tokens=room[i].budget(config.max_new_tokens),
                 stop_token_ids=self.chat.stop_token_ids,
                 tag=f"request {requests[i].index}",
             )
@@ -394,10 +412,14 @@ class EngineRollout:
                     logprobs=[] if g is None else g.logprobs,
                     finish_reason="length" if g is None else g.finish_reason,
                     # the reply filled the context, not its own cap: there is no next turn
-                    truncated=len(ids) >= room[i],
+                    truncated=room[i].filled(len(ids), config.max_new_tokens),
                 )
             )
         return out
 
 
-RolloutFn = Callable[[list[MultiTurnRequest], Any], list[ResponseChoice]]
+def _stream(request: MultiTurnRequest) -> int:
+    return request.index if request.seed is None else request.seed
+
+
+RolloutFn = Callable[[list[MultiTurnRequest], SamplingParams], list[ResponseChoice]]

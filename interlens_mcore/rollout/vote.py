@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-GatherFn = Callable[[list[Any]], list[Any]]
+GatherFn = Callable[[list[object]], list[object]]
 
 
 class RolloutError(RuntimeError):
@@ -30,7 +30,7 @@ class RolloutValueError(RolloutError, ValueError):
     """Bad input on some rank: still a RolloutError everywhere, and a ValueError too."""
 
 
-def local_gather(items: list[Any]) -> list[Any]:
+def local_gather(items: list[object]) -> list[object]:
     """The single-process gather_fn."""
     return list(items)
 
@@ -73,9 +73,15 @@ def cast_vote(
         isinstance(error, ValueError),
         payload or {},
     )
-    ballots = gather_fn([mine])
-    failed = [b for b in ballots if b.error is not None]
+    ballots = [_ballot(b) for b in gather_fn([mine])]
+    failed = [(b.rank, b.error, b.bad_input) for b in ballots if b.error is not None]
     if failed:
-        cls = RolloutValueError if all(b.bad_input for b in failed) else RolloutError
-        raise cls([(b.rank, b.error) for b in failed]) from error
+        cls = RolloutValueError if all(bad for _, _, bad in failed) else RolloutError
+        raise cls([(r, e) for r, e, _ in failed]) from error
     return ballots
+
+
+def _ballot(item: object) -> Ballot:
+    if not isinstance(item, Ballot):
+        raise TypeError(f"gather_fn returned {type(item).__name__}; expected every rank's Ballot, in order")
+    return item

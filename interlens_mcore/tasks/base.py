@@ -43,26 +43,13 @@ A minimal task source::
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Mapping, Sequence
 
-from ..rollout.conversation import Participant, Policy  # noqa: F401  (the types of Task.lineup)
-from ..types import Message
+from ..rollout.multiturn import MultiTurnScheduler
+from ..rollout.rollouter import Rollout, Rollouter, Task
+from ..types import Trajectory
 
-
-class Task(Protocol):
-    """One row of a step: an opening transcript, a lineup, and a turn cap.
-
-    `lineup(seat)` returns the participants in speaking order; `seat(name)` is the trainer's
-    policy for a seat (trained, or frozen when the task source says so), so the task decides
-    which seats a policy plays and which an environment or fixed opponent takes.
-    """
-
-    max_turns: int
-
-    def prompt(self) -> list[Message]: ...
-
-    def lineup(self, seat: Callable[[str], Policy]) -> list[Participant]: ...
+__all__ = ["Task", "TaskSource"]
 
 
 class TaskSource(ABC):
@@ -82,38 +69,49 @@ class TaskSource(ABC):
     stop: tuple[str, ...] = ()  # strings that end a policy turn in this task (a tool call's close)
 
     @abstractmethod
-    def rows(self, n: int, *, seed: int) -> list[Any]:
+    def rows(self, n: int, *, seed: int) -> Sequence[object]:
         """`n` training rows, a pure function of `seed` (the same on every resume)."""
 
-    def eval_rows(self, n: int, *, seed: int) -> list[Any]:
+    def eval_rows(self, n: int, *, seed: int) -> Sequence[object]:
         """`n` held-out rows, disjoint from every training row; [] when the source has none.
 
         Evaluation plays them with the trained policy in every policy seat.
         """
         return []
 
-    def scheduler(self) -> Any | None:
-        """A `MultiTurnScheduler` selects the scheduler path; its rows are message lists or dicts."""
+    def scheduler(self) -> object | None:
+        """A `MultiTurnScheduler` selects the scheduler path; its rows are message lists or dicts.
+
+        Another kind (an ms-swift scheduler) needs its own driver: that source overrides `run`.
+        """
         return None
 
-    def run(self, rollouter: Any, rows: list[Any], step: int) -> Any:
+    def run(self, rollouter: Rollouter, rows: Sequence[object], step: int) -> Rollout:
         """This rank's `Rollout` of `rows` (collective): lineups, or the scheduler when there is one.
 
-        A source whose rows need another driver (an ms-swift scheduler) overrides this.
+        A source whose rows need another driver (an ms-swift scheduler) overrides this; it
+        takes what it needs from `rollouter.plan(rows, step)`: the samples (seeds, indices,
+        groups, ids, as every path expands rows) and the engine, sampling and vote to run them.
         """
-        return rollouter.run(rows, step, self.scheduler(), reward_key=self.reward_key)
+        scheduler = self.scheduler()
+        if scheduler is not None and not isinstance(scheduler, MultiTurnScheduler):
+            raise ValueError(
+                f"task source {self.name!r}: scheduler() returned {type(scheduler).__name__}, which the "
+                "native driver cannot run; return a MultiTurnScheduler, or override run() with its driver"
+            )
+        return rollouter.run(rows, step, scheduler, reward_key=self.reward_key)
 
-    def evaluate(self, rollouter: Any, rows: list[Any], step: int) -> Any:
+    def evaluate(self, rollouter: Rollouter, rows: Sequence[object], step: int) -> Rollout:
         """Each held-out row played once with the trained policy in every policy seat (collective)."""
         return rollouter.evaluate(rows, step)
 
-    def success_of(self, trajectory: Any) -> float | None:
+    def success_of(self, trajectory: Trajectory) -> float | None:
         """How a scored sample went, in [0, 1] (None: the task does not say).
 
         By default what its environments reported (`conv.infos["success"]` or the seat's
         `outcome`); a source without environments (a prompt dataset) decides from the reward.
         """
-        return trajectory.infos.get("success")
+        return trajectory.infos.success
 
     def option_defaults(self) -> dict[str, object]:
         """Launch options this task runs best with, by option name (`max_new_tokens`, `model`...).
@@ -127,6 +125,6 @@ class TaskSource(ABC):
         """The dataset of a mix that `row` came from, for the per-dataset reward (None: not a mix)."""
         return None
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> Mapping[str, object]:
         """What `run.json` records of this source (its options)."""
         return {"name": self.name}

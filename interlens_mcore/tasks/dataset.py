@@ -24,12 +24,15 @@ import random
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..rollout.conversation import Conversation, Environment, Participant, Policy
-from ..types import Message
+from ..types import Message, Trajectory
 from .base import TaskSource
 from .split import derive_seed
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -39,7 +42,7 @@ class PromptRow:
     """One dataset row: its opening transcript and all of its columns."""
 
     messages: list[Message]
-    columns: dict[str, Any] = field(default_factory=dict)
+    columns: dict[str, object] = field(default_factory=dict)
     max_turns: int = 2  # the reply and PromptEnd's silent close
 
     def prompt(self) -> list[Message]:
@@ -137,7 +140,7 @@ def _json_problem(path: str) -> str | None:
     return None
 
 
-def prompt_messages(value: Any, *, where: str) -> list[Message]:
+def prompt_messages(value: object, *, where: str) -> list[Message]:
     """A prompt cell as messages: a string is one user message; a list holds chat messages."""
     if isinstance(value, str):
         if not value.strip():
@@ -218,13 +221,14 @@ class DatasetSource(TaskSource):
         """The first `n` evaluation rows, the same at every evaluation (`seed` is not used)."""
         return self._eval[:n]
 
-    def success_of(self, trajectory: Any) -> float | None:
-        return float(trajectory.reward >= self.success_threshold)
+    def success_of(self, trajectory: Trajectory) -> float | None:
+        reward = trajectory.reward  # set by the trainer before it asks
+        return None if reward is None else float(reward >= self.success_threshold)
 
     def option_defaults(self) -> dict[str, object]:
         return {"max_new_tokens": 64}  # a short answer; the model is the user's (--model)
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, object]:
         return {
             "name": self.name,
             "path": self.path,
@@ -245,8 +249,8 @@ def source(
     *,
     split: str = "train",
     success_threshold: float = 1.0,
-    tokenizer: Any = None,
-    **tool_args: Any,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    **tool_args: Any,  # with_tools' options
 ) -> TaskSource:
     """The task source of `--dataset PATH`; `tools` (functions or `MODULE:FN,...`) adds tools."""
     src: TaskSource = DatasetSource(

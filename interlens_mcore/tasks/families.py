@@ -12,8 +12,7 @@ interlens_mcore[tasks]`) fails with its name, and only for the family that needs
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 from .base import TaskSource
 
@@ -38,7 +37,7 @@ PRETRAINED_ON_CPU: dict[str, object] = {
 }
 
 
-def make_source(spec: str, **task_args: Any) -> TaskSource:
+def make_source(spec: str, **task_args: object) -> TaskSource:
     """The task source `spec` ("FAMILY:NAME") names, built by its family's `source(NAME, **task_args)`."""
     family, sep, name = spec.partition(":")
     if not sep or family not in FAMILIES or not name:
@@ -53,7 +52,7 @@ def make_source(spec: str, **task_args: Any) -> TaskSource:
         ) from exc
 
 
-def family_factory(family: str) -> Any | None:
+def family_factory(family: str) -> Callable[..., TaskSource] | None:
     """The `source(NAME, **task_args)` factory of `family`, or None when its package is missing
     (`make_source` then says which package to install)."""
     try:
@@ -85,7 +84,7 @@ def extra_task_args(family: str, name: str) -> set[str] | None:
     return {p.name for p in params} | {n for n in make if n not in ("id", "kwargs")}
 
 
-def parse_task_args(pairs: Sequence[str]) -> dict[str, Any]:
+def parse_task_args(pairs: Sequence[str]) -> dict[str, object]:
     """`["max_attempts=3", "is_slippery=false"]` (the `--task-arg KEY=VALUE` form) as typed values.
 
     Each value is read as YAML (`3` an int, `0.5` a float, `false` a bool, `null` None, `[1, 2]`
@@ -93,7 +92,7 @@ def parse_task_args(pairs: Sequence[str]) -> dict[str, Any]:
     """
     import yaml
 
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         key = key.strip()

@@ -96,7 +96,7 @@ class GymGame:
     """What this module knows of one environment family."""
 
     actions: tuple[str, ...]
-    render: Callable[[Any, Any], str]
+    render: Callable[..., str]  # (the gymnasium env, its observation) -> text
     rules: str
     max_steps: int  # replies per episode, invalid ones included
     success: Callable[[float, bool], bool]  # (last reward, terminated) -> goal reached
@@ -157,7 +157,7 @@ class GymOptions:
     action_tag: str = "action"
     random_map: bool = False  # FrozenLake only: a map drawn from the episode's seed
     map_size: int = 4
-    make_args: dict[str, Any] = field(default_factory=dict)
+    make_args: dict[str, object] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -181,14 +181,14 @@ class GymTask:
         return 2 * self.max_steps
 
     @property
-    def columns(self) -> dict[str, Any]:
+    def columns(self) -> dict[str, object]:
         return {"env_id": self.env_id, "seed": self.seed}
 
     def make(self) -> tuple[Any, Any]:
         """A fresh environment, reset to this episode's first observation."""
         import gymnasium
 
-        args = dict(self.options.make_args)
+        args: dict[str, Any] = dict(self.options.make_args)  # gymnasium.make's keywords
         if self.options.random_map:
             from gymnasium.envs.toy_text.frozen_lake import generate_random_map
 
@@ -291,7 +291,7 @@ class GymSource(TaskSource):
     def option_defaults(self) -> dict[str, object]:
         return {**PRETRAINED_ON_CPU, "max_new_tokens": 16}  # `<action>south</action>` and a word or two
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, object]:
         o = self.options
         return {
             "name": self.name,
@@ -312,7 +312,7 @@ def source(
     random_map: bool = False,
     map_size: int = 4,
     eval_fraction: float = 0.1,
-    **make_args: Any,
+    **make_args: object,
 ) -> GymSource:
     """The task source of `--task gym:ENV_ID`; `make_args` go to `gymnasium.make`."""
     if max_steps is not None and max_steps < 1:

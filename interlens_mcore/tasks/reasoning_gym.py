@@ -102,8 +102,8 @@ class ReasoningOptions:
 class ReasoningTask:
     """One question: the reasoning-gym entry, its verifier, how it is played."""
 
-    entry: dict[str, Any]  # {"question", "answer", "metadata"}
-    score: Callable[[str | None, dict[str, Any]], float]  # the dataset's score_answer
+    entry: dict[str, object]  # {"question", "answer", "metadata"}
+    score: Callable[[str | None, dict[str, object]], float]  # the dataset's score_answer
     options: ReasoningOptions
 
     @property
@@ -111,7 +111,7 @@ class ReasoningTask:
         return 2 * self.options.max_attempts
 
     @property
-    def columns(self) -> dict[str, Any]:
+    def columns(self) -> dict[str, object]:
         """What reward functions read of the row: the entry's question, answer and metadata."""
         return self.entry
 
@@ -198,10 +198,10 @@ class ReasoningGymSource(TaskSource):
         name: str,
         *,
         weights: str | Sequence[float] | None = None,
-        configs: dict[str, dict[str, Any]] | None = None,
+        configs: dict[str, dict[str, object]] | None = None,
         eval_fraction: float = 0.1,
         options: ReasoningOptions = ReasoningOptions(),
-        **config: Any,
+        **config: object,
     ):
         import reasoning_gym
         from reasoning_gym.composite import DatasetSpec
@@ -284,9 +284,13 @@ class ReasoningGymSource(TaskSource):
     def dataset_of(self, row: object) -> str | None:
         assert isinstance(row, ReasoningTask), "this source's rows are ReasoningTasks"
         # reasoning-gym's composite dataset names each entry's source dataset
-        return row.entry["metadata"]["source_dataset"] if len(self.names) > 1 else None
+        if len(self.names) == 1:
+            return None
+        metadata = row.entry["metadata"]
+        name = metadata.get("source_dataset") if isinstance(metadata, dict) else None
+        return name if isinstance(name, str) else None
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, object]:
         o = self.options
         return {
             "name": self.name,
@@ -311,9 +315,9 @@ def source(
     answer_tag: str | None = "answer",
     answer_fallback: AnswerFallback = "last_line",
     weights: str | Sequence[float] | None = None,
-    configs: dict[str, dict[str, Any]] | None = None,
+    configs: dict[str, dict[str, object]] | None = None,
     eval_fraction: float = 0.1,
-    **config: Any,
+    **config: object,
 ) -> ReasoningGymSource:
     """The task source of `--task reasoning_gym:NAME` (NAME one dataset, or "a+b" a mix)."""
     rule = AnswerRule(tag=answer_tag, fallback=answer_fallback)

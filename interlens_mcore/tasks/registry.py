@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
 
 from ..plugins import load_object
 from .base import TaskSource
@@ -43,7 +42,7 @@ def known_tasks() -> list[str]:
     return [*TASKS, *(f"{f}:ID" for f in FAMILIES), "MODULE:FACTORY"]
 
 
-def resolve_task(spec: str, task_args: dict[str, Any] | None = None) -> TaskSource:
+def resolve_task(spec: str, task_args: dict[str, object] | None = None) -> TaskSource:
     """The task source `spec` names, built with `task_args`; ValueError naming --task otherwise."""
     args = dict(task_args or {})
     check_task_args(spec, args)
@@ -73,7 +72,7 @@ def resolve_task(spec: str, task_args: dict[str, Any] | None = None) -> TaskSour
     return source
 
 
-def check_task_args(spec: str, args: dict[str, Any]) -> None:
+def check_task_args(spec: str, args: Mapping[str, object]) -> None:
     """ValueError naming the first task argument the factory of `spec` does not take (with the
     closest name it does), before anything is built. Factories taking `**kwargs` that cannot be
     listed are left to raise their own error."""
@@ -92,7 +91,7 @@ def _accepted(spec: str) -> set[str] | None:
     """The task argument names `spec`'s factory takes, or None when they cannot be told."""
     family, _, ident = spec.partition(":")
     skip_first = False
-    factory: Any = TASKS.get(spec)
+    factory: Callable[..., object] | None = TASKS.get(spec)
     if factory is None and ident and family in _LIBRARIES and FAMILIES[family] is _BUILT_IN[family]:
         factory, skip_first = family_factory(family), True
     if factory is None:

@@ -95,7 +95,7 @@ class Game:
     rewards: dict[int, float] | None = None
 
 
-def _render(observation: list[tuple[int, str, Any]]) -> list[str]:
+def _render(observation: list[tuple[int, str, object]]) -> list[str]:
     # player actions are already in the transcript as the seats' own messages
     return [msg.strip() for sender, msg, _ in observation if sender == -1 and msg.strip()]
 
@@ -115,7 +115,7 @@ class ArenaTask:
         self.max_turns = 4 * self.max_moves + 1
 
     @property
-    def columns(self) -> dict[str, Any]:
+    def columns(self) -> dict[str, object]:
         return {"game_id": self.game_id, "seed": self.seed}
 
     def prompt(self) -> list[Message]:
@@ -285,7 +285,7 @@ class TextArenaSource(TaskSource):
     def option_defaults(self) -> dict[str, object]:
         return {**PRETRAINED_ON_CPU, "max_new_tokens": 16}  # a move (`[col 4]`) and a word or two
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, object]:
         return {
             "name": self.name,
             "opponent": self.opponent,

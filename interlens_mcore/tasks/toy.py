@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from .base import TaskSource
 from .duel import SEATS, duel_tasks
@@ -16,7 +16,7 @@ class GuessTasks(TaskSource):
 
     name = "guess"
 
-    def __init__(self, **task_args: Any):
+    def __init__(self, **task_args: object):
         guess_tasks(1, seed=0, **task_args)  # a bad argument fails here, naming the field
         self.task_args = task_args
 
@@ -26,7 +26,7 @@ class GuessTasks(TaskSource):
     def eval_rows(self, n: int, *, seed: int) -> list:
         return guess_tasks(n, seed=seed ^ _EVAL_SEED, **self.task_args)
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, object]:
         return {"name": self.name, **self.task_args}
 
 
@@ -41,7 +41,7 @@ class DuelTasks(TaskSource):
 
     name = "duel"
 
-    def __init__(self, opponent: Literal["self", "random", "frozen"] = "self", **task_args: Any):
+    def __init__(self, opponent: Literal["self", "random", "frozen"] = "self", **task_args: object):
         if opponent not in OPPONENTS:
             raise ValueError(f"task_args.opponent must be one of {', '.join(OPPONENTS)}, got {opponent!r}")
         duel_tasks(1, seed=0, **task_args)
@@ -65,5 +65,5 @@ class DuelTasks(TaskSource):
             )
         ]
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, object]:
         return {"name": self.name, "opponent": self.opponent, **self.task_args}

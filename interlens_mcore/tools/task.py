@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from ..rollout.conversation import Environment, Participant, Policy
 from ..tasks.base import Task, TaskSource
@@ -117,9 +117,10 @@ class ToolTaskSource(TaskSource):
         # stop strings for the policy's sampling: a turn ends right after a call
         self.stop = tuple(options.parser.stop)
 
-    def _wrap(self, rows: list[Task]) -> list[ToolTask]:
+    def _wrap(self, rows: Sequence[object]) -> list[ToolTask]:
         return [
-            ToolTask(inner=r, tools=self.tools, options=self.options, tokenizer=self.tokenizer) for r in rows
+            ToolTask(inner=cast(Task, r), tools=self.tools, options=self.options, tokenizer=self.tokenizer)
+            for r in rows
         ]
 
     def rows(self, n: int, *, seed: int) -> list[ToolTask]:

@@ -56,7 +56,7 @@ def make_tasks():
 
 
 def reward(trajectories, rows):
-    return [1.0 if len(t.infos["completion"]) <= 3 else 0.0 for t in trajectories]
+    return [1.0 if len(t.infos.completion) <= 3 else 0.0 for t in trajectories]
 """
 
 

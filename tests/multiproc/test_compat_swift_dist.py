@@ -72,7 +72,7 @@ def _train(rank, tiny_path):
         if step == 0:  # the same rows alone on one process give the same samples
             alone = task.rollout(rows, rank=rank, **kwargs)
             report["same_as_alone"] = [t.token_ids for t in alone] == [t.token_ids for t in trajectories]
-        report["turns"].append([t.infos["num_turns"] for t in trajectories])
+        report["turns"].append([t.infos.turns for t in trajectories])
         rewards = environment_reward(trajectories, rows)
         advantages, _ = group_advantages(rewards, [t.group for t in trajectories])
         batch = build_batch(trajectories, advantages, layout="padded", pad_id=int(tokenizer.eos_token_id))

@@ -39,6 +39,11 @@ class SampleFacts:
     dataset: str | None  # the dataset of a task mix the sample's row came from
 
 
+def _count(value: object) -> int | None:
+    """An environment's counter (`invalid_moves`, `tool_calls`...), None when it set none."""
+    return int(value) if isinstance(value, int | float) else None
+
+
 def facts_of(t: Trajectory, reward: float, dataset: str | None = None) -> SampleFacts:
     """The facts of trajectory `t`, scored `reward`, whose row names `dataset` (of a mix).
 
@@ -47,22 +52,22 @@ def facts_of(t: Trajectory, reward: float, dataset: str | None = None) -> Sample
     that ran out of steps on invalid replies).
     """
     info = t.infos
-    moves, actions = info.get("invalid_moves"), info.get("invalid_actions")
-    counted = [int(n) for n in (moves, actions) if n is not None]
-    steps = int(info.get("steps", 0))
-    ended = bool(moves) or (actions is not None and steps > 0 and int(actions) >= steps)
+    moves, actions = _count(info.get("invalid_moves")), _count(info.get("invalid_actions"))
+    counted = [n for n in (moves, actions) if n is not None]
+    steps = _count(info.get("steps")) or 0
+    ended = bool(moves) or (actions is not None and steps > 0 and actions >= steps)
     tools = None
     if "tool_calls" in info:  # a ToolEnvironment set its counters: tools were offered
-        tools = {k: int(info.get(k, 0)) for k in (*TOOL_COUNTERS, "turns")}
-    success, outcome = info.get("success"), info.get("outcome")
-    win = float(outcome[t.participant]) if isinstance(outcome, dict) and t.participant in outcome else None
+        tools = {k: _count(info.get(k)) or 0 for k in (*TOOL_COUNTERS, "turns")}
+    success, outcome = info.success, info.outcome
+    win = float(outcome[t.participant]) if outcome is not None and t.participant in outcome else None
     return SampleFacts(
         seat=t.participant,
         group=t.group,
         reward=float(reward),
         success=None if success is None else float(success),
         win=win,
-        turns=int(info.get("turns", 0)),
+        turns=info.turns,
         status=t.status,
         completion_tokens=t.num_trained_tokens,
         replies=len(t.turns),

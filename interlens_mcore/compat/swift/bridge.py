@@ -22,7 +22,7 @@ import dataclasses
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from ... import ChatFormat, MultiTurnRequest, ResponseChoice
 from ... import MultiTurnScheduler as NativeScheduler
@@ -31,6 +31,8 @@ from ...types import validate_tokens
 from .scheduler import MultiTurnScheduler
 from .transcript import append_completion, extension, native_messages, without_placeholder
 from .types import ChatCompletionResponseChoice, Message, RolloutInferRequest
+
+T = TypeVar("T")
 
 STEP_KEYS = ("infer_request", "response_token_ids", "response_loss_mask", "rollout_logprobs", "rollout_infos")
 TURN_END_KEYS = ("done", "rollout_infos", "response_token_ids", "response_loss_mask", "rollout_logprobs")
@@ -53,6 +55,7 @@ class RequestState:
     index: int  # the native request index
     position: int  # order among this rank's requests: check_finished runs in this order
     group: int
+    seed: int | None = None  # the sample's random stream; None: seeded by the index
     choice: ChatCompletionResponseChoice | None = None
     snapshot: list[Message] = field(default_factory=list)  # messages right after the reply
     turn_result: dict[str, Any] = field(default_factory=dict)  # on_turn_end's, this round
@@ -69,7 +72,7 @@ class RequestState:
         return self.choice
 
 
-def truthy_done(value: Any, where: str) -> bool:
+def truthy_done(value: object, where: str) -> bool:
     """ms-swift tests `done` for truth: None is not done, numpy bools count; text is a mistake."""
     if isinstance(value, (str, bytes, list, tuple, dict, set)):
         raise ValueError(f"{where}: on_turn_end 'done' must be a bool or None, got {value!r}")
@@ -82,7 +85,7 @@ def _keys(result: dict, allowed: tuple[str, ...], where: str) -> None:
         raise ValueError(f"{where} returned unknown key(s) {unknown}; expected some of {list(allowed)}")
 
 
-def _ids(value: Any, where: str) -> list[int]:
+def _ids(value: object, where: str) -> list[int]:
     if not isinstance(value, (list, tuple)) or not all(type(t) is int for t in value):
         raise ValueError(f"{where} must be a list of int token ids, got {value!r}")
     return list(value)
@@ -131,7 +134,7 @@ class SwiftBridge(NativeScheduler):
         add_note(exc, f"raised by {type(self.user).__name__}.{hook} for {st.where(turn)}")
         self.user_errors.append(exc)
 
-    def _call(self, hook: str, st: RequestState, turn: int, fn: Callable, *args: Any) -> Any:
+    def _call(self, hook: str, st: RequestState, turn: int, fn: Callable[..., T], *args: object) -> T:
         try:
             return fn(*args)
         except Exception as exc:

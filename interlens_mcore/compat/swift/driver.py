@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 from collections.abc import Sequence
-from typing import Any, get_args
+from typing import get_args
 
 from ... import (
     ChatFormat,
@@ -33,14 +34,17 @@ from ... import (
     Trajectory,
     run_multi_turn,
 )
+from ...chat import Tokenizer
+from ...engines.base import Engine
 from ...rollout.limits import StepTimeout, await_limited, check_time_limit, maybe_await
+from ...rollout.rollouter import Sample, expand_rows
 from ...rollout.vote import GatherFn, cast_vote, local_gather
 from .bridge import RequestState, SwiftBridge, add_note
 from .scheduler import MultiTurnScheduler
 from .transcript import native_messages, prompt_ids, without_placeholder
-from .types import RolloutInferRequest, SwiftOutput, TrainTurns
+from .types import Message, RolloutInferRequest, SwiftOutput, TrainTurns
 
-Row = RolloutInferRequest | dict[str, Any] | list[dict[str, Any]]
+Row = RolloutInferRequest | dict[str, object] | list[Message]
 
 
 def build_requests(
@@ -50,34 +54,52 @@ def build_requests(
 
     A dict row's `messages` become the request's messages and its other fields its
     `data_dict` (a row without messages needs an `on_trajectory_start` that sets them); a list
-    row is the messages. Indices name the rank, row and sample, as the native trainer's do.
+    row is the messages. Rows expand as on every rollout path (`expand_rows`): indices name the
+    rank, row and sample; a request's uuid is `<seed in hex>-<index>`. Turns are seeded by
+    `seed` and the index, as `EngineRollout` seeds requests without a seed of their own.
     """
-    if num_generations < 1:
-        raise ValueError(f"num_generations must be >= 1, got {num_generations}")
+    samples = expand_rows(rows, num_generations=num_generations, rank=rank, stream=(seed,), tag=f"{seed:x}")
+    # ms-swift's short uuids here; a trainer's plan names requests as its conversations
+    return sample_requests([dataclasses.replace(s, id=f"{seed:x}-{s.index}") for s in samples], seeded=False)
+
+
+def sample_requests(samples: Sequence[Sample[object]], *, seeded: bool = True) -> list[RequestState]:
+    """One request per sample (a `Rollouter.plan`'s): its uuid the sample's id, its turns seeded
+    by the sample's seed (`seeded`) or by its index."""
     states: list[RequestState] = []
-    for i, row in enumerate(rows):
-        if isinstance(row, RolloutInferRequest):
-            messages, data = row.messages, row.data_dict
-        elif isinstance(row, dict):
-            messages, data = row.get("messages", []), {k: v for k, v in row.items() if k != "messages"}
-        elif isinstance(row, list):
-            messages, data = row, {}
-        else:
-            raise ValueError(
-                f"row {i}: expected a dict, a message list or a RolloutInferRequest, got {row!r}"
+    for sample in samples:
+        messages, data = _split(sample.row, sample.group)
+        request = RolloutInferRequest(
+            messages=copy.deepcopy(messages), data_dict=copy.deepcopy(data), uuid=sample.id
+        )
+        states.append(
+            RequestState(
+                request=request,
+                index=sample.index,
+                position=len(states),
+                group=sample.group,
+                seed=sample.seed if seeded else None,
             )
-        if not isinstance(messages, list):
-            raise ValueError(f"row {i}: messages must be a list of dicts, got {type(messages).__name__}")
-        for k in range(num_generations):
-            index = (rank * len(rows) + i) * num_generations + k
-            request = RolloutInferRequest(
-                messages=copy.deepcopy(messages), data_dict=copy.deepcopy(data), uuid=f"{seed:x}-{index}"
-            )
-            states.append(RequestState(request=request, index=index, position=len(states), group=i))
+        )
     return states
 
 
-def _cap(max_turns: Any) -> int | None:
+def _split(row: object, i: int) -> tuple[list[Message], dict[str, object]]:
+    """(messages, data_dict) of row `i`."""
+    if isinstance(row, RolloutInferRequest):
+        messages, data = row.messages, dict(row.data_dict)
+    elif isinstance(row, dict):
+        messages, data = row.get("messages", []), {k: v for k, v in row.items() if k != "messages"}
+    elif isinstance(row, list):
+        messages, data = row, {}
+    else:
+        raise ValueError(f"row {i}: expected a dict, a message list or a RolloutInferRequest, got {row!r}")
+    if not isinstance(messages, list):
+        raise ValueError(f"row {i}: messages must be a list of dicts, got {type(messages).__name__}")
+    return messages, data
+
+
+def _cap(max_turns: object) -> int | None:
     if max_turns is None or max_turns == 0:  # ms-swift: 0 and None both mean no cap
         return None
     if not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 0:
@@ -128,6 +150,7 @@ def _first_requests(chat: ChatFormat, states: list[RequestState]) -> list[MultiT
                 prompt_ids=prompt_ids(chat, messages, where),
                 messages=native_messages(messages, where),
                 data={"group": st.group},
+                seed=st.seed,
             )
         )
     return out
@@ -174,8 +197,8 @@ def _finish(out: RolloutOutput, st: RequestState, train_turns: TrainTurns) -> Sw
 def run(
     rows: Sequence[Row],
     scheduler: MultiTurnScheduler,
-    engine: Any,
-    tokenizer: Any,
+    engine: Engine,
+    tokenizer: Tokenizer,
     sampling: SamplingParams,
     *,
     num_generations: int = 1,
@@ -194,6 +217,16 @@ def run(
     `step_timeout_s` limits `on_trajectory_start` and each hook and step call, as in
     `run_multi_turn`. Hooks run under `asyncio.run`: call this from synchronous code.
     """
+    _check(scheduler, train_turns, step_timeout_s)
+    states = build_requests(rows, num_generations=num_generations, rank=rank, seed=seed)
+    return run_requests(
+        states, scheduler, engine, tokenizer, sampling,
+        max_turns=max_turns, seed=seed, gather_fn=gather_fn, rank=rank,
+        step_timeout_s=step_timeout_s, train_turns=train_turns,
+    )  # fmt: skip
+
+
+def _check(scheduler: MultiTurnScheduler, train_turns: str, step_timeout_s: float | None) -> None:
     if not isinstance(scheduler, MultiTurnScheduler):
         raise ValueError(
             f"compat.swift.run needs a compat.swift.MultiTurnScheduler, got {type(scheduler).__name__}"
@@ -201,10 +234,27 @@ def run(
     if train_turns not in get_args(TrainTurns):
         raise ValueError(f"train_turns must be one of {get_args(TrainTurns)}, got {train_turns!r}")
     check_time_limit(step_timeout_s, "compat.swift.run: step_timeout_s")
+
+
+def run_requests(
+    states: list[RequestState],
+    scheduler: MultiTurnScheduler,
+    engine: Engine,
+    tokenizer: Tokenizer,
+    sampling: SamplingParams,
+    *,
+    max_turns: int | None = None,
+    seed: int = 0,
+    gather_fn: GatherFn = local_gather,
+    rank: int = 0,
+    step_timeout_s: float | None = None,
+    train_turns: TrainTurns = "all",
+) -> list[SwiftOutput]:
+    """`run` over requests already built (`build_requests`, `sample_requests`)."""
+    _check(scheduler, train_turns, step_timeout_s)
     cap = _cap(scheduler.max_turns if max_turns is None else max_turns)
     chat = ChatFormat(tokenizer)
     scheduler.bind(engine, tokenizer)
-    states = build_requests(rows, num_generations=num_generations, rank=rank, seed=seed)
     bridge = SwiftBridge(scheduler, chat, states, cap)
     error: BaseException | None  # the first failure on this rank, kept for the notes
     first_requests, error = _open(scheduler, states, chat, bridge, step_timeout_s)
@@ -276,8 +326,8 @@ def rollout_trajectories(
     rows: Sequence[Row],
     *,
     num_generations: int,
-    engine: Any,
-    tokenizer: Any,
+    engine: Engine,
+    tokenizer: Tokenizer,
     sampling: SamplingParams,
     seed: int,
     gather_fn: GatherFn = local_gather,
@@ -287,10 +337,10 @@ def rollout_trajectories(
     max_turns: int | None = None,
     train_turns: TrainTurns = "all",
 ) -> list[Trajectory]:
-    """The trainer's call: `run`, then one trajectory per request with `infos["env_reward"]`.
+    """The trainer's call: `run`, then one trajectory per request with `infos.env_reward`.
 
     `group` is the row's index on this rank (a row's samples share their advantage
-    baseline); `infos["env_reward"]` is `rollout_infos[reward_key]` where the scheduler set
+    baseline); `infos.env_reward` is `rollout_infos[reward_key]` where the scheduler set
     it (the environment reward function reports the ones that lack it).
     """
     outputs = run(
@@ -307,9 +357,6 @@ def rollout_trajectories(
         step_timeout_s=step_timeout_s,
         train_turns=train_turns,
     )
-    trajectories = []
-    for out in outputs:
-        traj = out.to_trajectory(group=out.native.request.data["group"], reward_key=reward_key)
-        traj.infos["conversation"] = out.request.uuid
-        trajectories.append(traj)
-    return trajectories
+    return [
+        out.to_trajectory(group=out.native.request.data["group"], reward_key=reward_key) for out in outputs
+    ]

@@ -42,14 +42,14 @@ from .types import ChatCompletionResponseChoice, Message, RolloutInferRequest
 class Env:
     """An environment a `GymScheduler` plays (see the module docstring)."""
 
-    def __init__(self, env_config: dict[str, Any]):
+    def __init__(self, env_config: dict[str, object]):
         self.env_config = env_config
 
     async def reset(self, config: RolloutInferRequest) -> tuple[Any, ...]:
         """(observation, info) or (observation, info, system_message)."""
         raise NotImplementedError(f"{type(self).__name__}: implement reset(config)")
 
-    async def step(self, action: list[Message]) -> tuple[str, float, bool, dict[str, Any]]:
+    async def step(self, action: list[Message]) -> tuple[str, float, bool, dict[str, object]]:
         """(next observation, reward, done, info) after the policy's reply (`action[-1]`)."""
         raise NotImplementedError(f"{type(self).__name__}: implement step(action)")
 
@@ -61,7 +61,7 @@ envs: dict[str, type[Env]] = {}
 """Environments by name: `GymScheduler(gym_env=NAME)` or a row's `env_config["name"]` picks one."""
 
 
-def _reset_result(result: Any, env: Env) -> tuple[str, str | None]:
+def _reset_result(result: object, env: Env) -> tuple[str, str | None]:
     if not isinstance(result, tuple) or len(result) not in (2, 3):
         raise ValueError(
             f"{type(env).__name__}.reset must return (observation, info) or "
@@ -71,7 +71,7 @@ def _reset_result(result: Any, env: Env) -> tuple[str, str | None]:
     return str(result[0]), system or None
 
 
-def _step_result(result: Any, env: Env) -> tuple[str, float, Any, dict]:
+def _step_result(result: object, env: Env) -> tuple[str, float, object, dict[str, object]]:
     if not isinstance(result, tuple) or len(result) != 4:
         raise ValueError(
             f"{type(env).__name__}.step must return (observation, reward, done, info), got {result!r}"
@@ -91,7 +91,7 @@ class GymScheduler(MultiTurnScheduler):
         self._steps: dict[str, list[float]] = {}
         self._pending: dict[str, str | None] = {}  # the observation the next step sends
 
-    def create_env(self, env_config: dict[str, Any]) -> Env:
+    def create_env(self, env_config: dict[str, object]) -> Env:
         name = env_config.get("name", self.gym_env_name)
         if name not in envs:
             raise ValueError(f"gym environment {name!r} is not registered; registered: {sorted(envs)}")

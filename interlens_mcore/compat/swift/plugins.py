@@ -11,9 +11,10 @@ import importlib
 import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from ... import MultiTurnScheduler as NativeScheduler
+from ...chat import Tokenizer
+from ...engines.base import Engine
 from ...plugins import load_module
 from .scheduler import InferEngine, MultiTurnScheduler, multi_turns
 
@@ -55,8 +56,8 @@ def resolve_scheduler(spec: str) -> type[MultiTurnScheduler] | type[NativeSchedu
 def build_scheduler(
     cls: type[MultiTurnScheduler] | type[NativeScheduler],
     *,
-    engine: Any = None,
-    tokenizer: Any = None,
+    engine: Engine | None = None,
+    tokenizer: Tokenizer | None = None,
     max_turns: int | None = None,
     **kwargs,
 ) -> MultiTurnScheduler:

@@ -29,6 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ...chat import Tokenizer
+from ...engines.base import Engine
 from .types import ChatCompletionResponseChoice, RolloutInferRequest, choice_logprobs
 
 
@@ -36,8 +38,8 @@ from .types import ChatCompletionResponseChoice, RolloutInferRequest, choice_log
 class InferEngine:
     """What a scheduler reaches as `self.infer_engine`: the rollout's engine and its tokenizer."""
 
-    engine: Any  # an interlens_mcore Engine
-    tokenizer: Any
+    engine: Engine
+    tokenizer: Tokenizer | None
 
 
 class MultiTurnScheduler:
@@ -55,13 +57,13 @@ class MultiTurnScheduler:
         return self.infer_engine
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer | None:
         """The tokenizer passed as `tokenizer=`, else the engine's."""
         if self._tokenizer is not None:
             return self._tokenizer
         return self.infer_engine.tokenizer if self.infer_engine is not None else None
 
-    def bind(self, engine: Any, tokenizer: Any) -> None:
+    def bind(self, engine: Engine, tokenizer: Tokenizer) -> None:
         """Give a scheduler built without an engine (by a task source) the rollout's engine."""
         if self.infer_engine is None:
             self.infer_engine = InferEngine(engine=engine, tokenizer=tokenizer)

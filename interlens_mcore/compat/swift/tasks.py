@@ -21,16 +21,15 @@ from pathlib import Path
 from typing import Any, get_args
 
 from ... import SamplingParams, Trajectory
-from ...engines.sampler import mix_seed
-from ...rollout.rollouter import Rollout
+from ...chat import Tokenizer
+from ...engines.base import Engine
+from ...rollout.rollouter import Rollout, Rollouter, RolloutPlan
 from ...rollout.vote import GatherFn, local_gather
 from ...tasks.base import TaskSource
-from .driver import rollout_trajectories
+from .driver import rollout_trajectories, run_requests, sample_requests
 from .plugins import build_scheduler, load_plugins, resolve_scheduler
 from .scheduler import MultiTurnScheduler
 from .types import TrainTurns
-
-_EVAL_SALT = 0x6576616C  # evaluation seeds never repeat a training step's
 
 
 class SwiftTaskSource(TaskSource):
@@ -41,9 +40,9 @@ class SwiftTaskSource(TaskSource):
     def __init__(
         self,
         scheduler: MultiTurnScheduler,
-        dataset: Sequence[dict[str, Any]],
+        dataset: Sequence[dict[str, object]],
         *,
-        eval_dataset: Sequence[dict[str, Any]] = (),
+        eval_dataset: Sequence[dict[str, object]] = (),
         reward_key: str = "reward",
         max_turns: int | None = None,
         train_turns: TrainTurns = "all",
@@ -68,32 +67,32 @@ class SwiftTaskSource(TaskSource):
         cls,
         spec: str,
         *,
-        dataset: Sequence[dict[str, Any]],
+        dataset: Sequence[dict[str, object]],
         plugins: Sequence[str | Path] = (),
         max_turns: int | None = None,
-        scheduler_kwargs: dict[str, Any] | None = None,
-        **options: Any,
+        scheduler_kwargs: dict[str, Any] | None = None,  # the scheduler class's own keywords
+        **options: Any,  # SwiftTaskSource's keywords
     ) -> SwiftTaskSource:
         """`--external-plugins FILE.py ... --multi-turn-scheduler MODULE:CLASS` (or a registered name)."""
         load_plugins(plugins)
         scheduler = build_scheduler(resolve_scheduler(spec), max_turns=max_turns, **(scheduler_kwargs or {}))
         return cls(scheduler, dataset, max_turns=max_turns, **options)
 
-    def rows(self, n: int, *, seed: int) -> list[dict[str, Any]]:
+    def rows(self, n: int, *, seed: int) -> list[dict[str, object]]:
         """`n` rows, without repeats while the dataset has enough, a pure function of `seed`."""
         rng = random.Random(seed)
         size = len(self.dataset)
         picks = rng.sample(range(size), n) if n <= size else [rng.randrange(size) for _ in range(n)]
         return [copy.deepcopy(self.dataset[i]) for i in picks]
 
-    def eval_rows(self, n: int, *, seed: int) -> list[dict[str, Any]]:
+    def eval_rows(self, n: int, *, seed: int) -> list[dict[str, object]]:
         """The first `n` held-out rows (the same every evaluation)."""
         return [copy.deepcopy(r) for r in self.eval_dataset[:n]]
 
     def scheduler(self) -> MultiTurnScheduler:
         return self._scheduler
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, object]:
         return {
             "name": self.name,
             "scheduler": type(self._scheduler).__name__,
@@ -104,39 +103,41 @@ class SwiftTaskSource(TaskSource):
             "eval_rows": len(self.eval_dataset),
         }
 
-    def run(self, rollouter: Any, rows: list[dict[str, Any]], step: int) -> Rollout:
-        """The trainer's rollout of `rows` through this scheduler (collective); see `rollout`."""
-        cfg = rollouter.config
-        return self._as_rollout(rollouter, rows, step, cfg.num_generations)
+    def run(self, rollouter: Rollouter, rows: Sequence[object], step: int) -> Rollout:
+        """The trainer's rollout of `rows` through this scheduler (collective): the samples of
+        `rollouter.plan`, as every rollout path expands rows."""
+        return self._as_rollout(rollouter.plan(rows, step))
 
-    def evaluate(self, rollouter: Any, rows: list[dict[str, Any]], step: int) -> Rollout:
-        return self._as_rollout(rollouter, rows, step, 1, salt=_EVAL_SALT)
+    def evaluate(self, rollouter: Rollouter, rows: Sequence[object], step: int) -> Rollout:
+        return self._as_rollout(rollouter.plan(rows, step, evaluation=True))
 
-    def _as_rollout(self, rollouter: Any, rows: list, step: int, n: int, salt: int = 0) -> Rollout:
-        cfg = rollouter.config
-        trajectories = self.rollout(
-            rows,
-            num_generations=n,
-            engine=rollouter.engine,
-            tokenizer=rollouter.tokenizer,
-            sampling=rollouter.sampling,
-            seed=mix_seed(cfg.seed, step, salt),
-            gather_fn=rollouter.groups.gather_fn(),
-            # request indices and seeds must be unique across every rank of the world
-            rank=rollouter.groups.rank,
-            step_timeout_s=cfg.step_timeout_s,
+    def _as_rollout(self, plan: RolloutPlan[object]) -> Rollout:
+        outputs = run_requests(
+            sample_requests(plan.samples),
+            self._scheduler,
+            plan.engine,
+            plan.tokenizer,
+            plan.sampling,
+            max_turns=self.max_turns,
+            seed=plan.group_seed,
+            gather_fn=plan.gather_fn,
+            rank=plan.rank,  # request indices and seeds are unique across every rank of the world
+            step_timeout_s=plan.step_timeout_s,
+            train_turns=self.train_turns,
         )
-        for t in trajectories:
-            t.infos["turns"] = t.infos["num_turns"]  # what the trainer's records read
-        return Rollout(trajectories=trajectories, rows=[rows[t.group] for t in trajectories])
+        trajectories = [
+            out.to_trajectory(group=s.group, reward_key=self.reward_key)
+            for out, s in zip(outputs, plan.samples, strict=True)
+        ]
+        return Rollout(trajectories=trajectories, rows=[s.row for s in plan.samples])
 
     def rollout(
         self,
-        rows: Sequence[dict[str, Any]],
+        rows: Sequence[dict[str, object]],
         *,
         num_generations: int,
-        engine: Any,
-        tokenizer: Any,
+        engine: Engine,
+        tokenizer: Tokenizer,
         sampling: SamplingParams,
         seed: int,
         gather_fn: GatherFn = local_gather,

@@ -15,8 +15,6 @@ message, after any other message it opens a new one.
 
 from __future__ import annotations
 
-from typing import Any
-
 from ... import ChatFormat
 from .types import Message
 
@@ -44,7 +42,7 @@ def append_completion(messages: list[Message], text: str) -> bool:
     return False
 
 
-def _text(message: Any, i: int, where: str) -> str:
+def _text(message: object, i: int, where: str) -> str:
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise ValueError(f"{where}: messages[{i}] must be a dict with a 'role', got {message!r}")
     content = message.get("content")
@@ -87,7 +85,7 @@ def prompt_ids(chat: ChatFormat, messages: list[Message], where: str) -> list[in
     return _render(chat, messages, 0, where)[0]
 
 
-def _describe(message: Any) -> str:
+def _describe(message: object) -> str:
     if not isinstance(message, dict):
         return repr(message)
     content = message.get("content")

@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 from ... import ResponseChoice, Status, Trajectory
 from ... import RolloutOutput as NativeOutput
+from ...chat import Tokenizer
+from ...rollout.rollouter import describe_request
 
 Message = dict[str, Any]  # {"role": ..., "content": str | None, ...}
 TrainTurns = Literal["all", "last_round"]  # ms-swift's loss_scale: every assistant round, or the last
@@ -32,7 +34,7 @@ class RolloutInferRequest:
 class ChatMessage:
     role: str
     content: str
-    tool_calls: list[dict[str, Any]] | None = None  # tool calls stay in `content`, as the model wrote them
+    tool_calls: list[dict[str, object]] | None = None  # tool calls stay in `content`, as the model wrote them
 
 
 @dataclass(kw_only=True)
@@ -46,10 +48,11 @@ class ChatCompletionResponseChoice:
     logprobs: dict[str, list[dict[str, Any]]] | None  # {"content": [{"token", "logprob"}, ...]}
 
     @classmethod
-    def from_native(cls, choice: ResponseChoice, tokenizer: Any) -> ChatCompletionResponseChoice:
+    def from_native(cls, choice: ResponseChoice, tokenizer: Tokenizer) -> ChatCompletionResponseChoice:
         logprobs = None
         if choice.logprobs is not None:
             tokens = tokenizer.convert_ids_to_tokens(list(choice.token_ids))
+            tokens = [tokens] if isinstance(tokens, str) else tokens
             content = [{"token": t, "logprob": lp} for t, lp in zip(tokens, choice.logprobs, strict=True)]
             logprobs = {"content": content}
         return cls(
@@ -95,30 +98,12 @@ class SwiftOutput:
         return int(self.rollout_infos.get("num_turns", 0))
 
     def to_trajectory(self, *, group: int = 0, reward_key: str | None = None) -> Trajectory:
-        """The trajectory; `infos["env_reward"]` is `rollout_infos[reward_key]` when it is set."""
+        """The trajectory, its infos filled as on every scheduler path (`describe_request`):
+        `conversation` is the request's uuid, `env_reward` is `rollout_infos[reward_key]` when
+        it is set."""
         traj = self.native.to_trajectory(group=group)
-        traj.infos["uuid"] = self.request.uuid
-        traj.infos["messages"] = [dict(m) for m in self.request.messages]
-        traj.infos["completion"] = next(
-            (
-                str(m.get("content") or "")
-                for m in reversed(self.request.messages)
-                if m.get("role") == "assistant"
-            ),
-            "",
-        )
-        if reward_key is not None and reward_key in self.rollout_infos:
-            traj.infos["env_reward"] = _reward(self.rollout_infos[reward_key], reward_key, self.request)
+        describe_request(traj, self.request.uuid, self.request.messages, reward_key)
         return traj
-
-
-def _reward(value: Any, key: str, request: RolloutInferRequest) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"request {request.uuid}: rollout_infos[{key!r}] is {value!r}; expected a number (the reward)"
-        ) from None
 
 
 RolloutOutput = SwiftOutput  # ms-swift's name, for type hints in ported scheduler files

@@ -492,9 +492,9 @@ def test_gym_scheduler_resets_environments_before_turn_one(tokenizer, chat):
     won, lost = trajectories
     assert [m["content"] for m in won.infos["messages"]] == [system, observation, "3", "higher", "7"]
     assert won.infos["env_reward"] == 1.0 and won.infos["step_rewards"] == [0.0, 1.0]
-    assert won.infos["gym_done"] and won.status is Status.STOPPED and won.infos["num_turns"] == 2
+    assert won.infos["gym_done"] and won.status is Status.STOPPED and won.infos.turns == 2
     assert (
-        lost.infos["env_reward"] == 0.0 and lost.status is Status.MAX_TURNS and lost.infos["num_turns"] == 3
+        lost.infos["env_reward"] == 0.0 and lost.status is Status.MAX_TURNS and lost.infos.turns == 3
     )
     assert GuessEnv.closed == 2  # one when its episode ended, one at on_trajectory_end
     for i, traj in enumerate(trajectories):
@@ -547,7 +547,7 @@ def test_plugin_file_with_one_changed_import(tmp_path, tokenizer):
     engine = ScriptedEngine(tokenizer, lambda i, t: f"{t}")
     trajectories = task.rollout(task.rows(1, seed=0), num_generations=1, engine=engine, tokenizer=tokenizer,
                                 sampling=SAMPLING, seed=0)  # fmt: skip
-    assert trajectories[0].infos["num_turns"] == 3 and trajectories[0].infos["env_reward"] == 1.0
+    assert trajectories[0].infos.turns == 3 and trajectories[0].infos["env_reward"] == 1.0
     assert task.describe()["scheduler"] == "CountdownScheduler"
     with pytest.raises(ValueError, match="has no 'Nope'"):
         SwiftTaskSource.from_spec("swift_plugin_countdown:Nope", dataset=rows)

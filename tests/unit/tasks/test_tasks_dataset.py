@@ -124,12 +124,12 @@ def test_tiny_model_rollout_and_reward_columns(tmp_path, tiny):
     convs = play(rows, HFEngine(model, tok), tok, max_new_tokens=6)
 
     def says_the_answer(trajectories, rows):  # a reward function reading a column of the row
-        return [float(str(r.columns["answer"]) in t.infos["completion"]) for t, r in zip(trajectories, rows)]
+        return [float(str(r.columns["answer"]) in t.infos.completion) for t, r in zip(trajectories, rows)]
 
     trajectories = [c.trajectories()[0] for c in convs]
     for c, t in zip(convs, trajectories):
         assert c.stop_reason == "answered" and len(c.messages) == 1 and len(t.turns) == 1
-        t.infos["completion"] = c.messages[-1].content
+        t.infos.completion = c.messages[-1].content
     expected = [float(str(2 * int(c.prompt[0].content.split()[2])) in c.messages[-1].content) for c in convs]
     assert says_the_answer(trajectories, rows) == expected
 
