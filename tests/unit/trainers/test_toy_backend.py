@@ -56,10 +56,9 @@ def toy(tmp_path, monkeypatch):
     distributed.destroy()
 
 
-def test_the_toy_backend_from_the_guide_trains_two_steps(toy, tiny_path, tmp_path):
-    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
-    config = TrainerConfig(steps=2, batch_size=4, eval_every=0, output_dir=str(tmp_path / "run"))
-    backend, groups = build_backend(
+def _toy(config, tiny_path, tokenizer, *, micro_batch_size):
+    """The guide's toy backend for 4 trajectories a rank, built through the factory."""
+    return build_backend(
         BackendConfig(backend="toy"),
         config,
         model_path=tiny_path,
@@ -67,8 +66,14 @@ def test_the_toy_backend_from_the_guide_trains_two_steps(toy, tiny_path, tmp_pat
         temperature=1.0,
         reference=False,
         trajectories_per_rank=4,
-        micro_batch_size=0,
+        micro_batch_size=micro_batch_size,
     )
+
+
+def test_the_toy_backend_from_the_guide_trains_two_steps(toy, tiny_path, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    config = TrainerConfig(steps=2, batch_size=4, eval_every=0, output_dir=str(tmp_path / "run"))
+    backend, groups = _toy(config, tiny_path, tokenizer, micro_batch_size=0)
     assert type(backend).__name__ == "ToyBackend"
     before = [p.detach().clone() for p in backend.model.parameters()]
     trainer = GRPOTrainer(
@@ -110,16 +115,7 @@ def test_the_loop_sets_the_scheduled_lr_and_accumulates_micro_batches(toy, tiny_
         steps=2, batch_size=4, eval_every=0, lr=3e-3, warmup_steps=3, gradient_accumulation_steps=2,
         output_dir=str(tmp_path / "run"),
     )  # fmt: skip
-    backend, groups = build_backend(
-        BackendConfig(backend="toy"),
-        config,
-        model_path=tiny_path,
-        tokenizer=tokenizer,
-        temperature=1.0,
-        reference=False,
-        trajectories_per_rank=4,
-        micro_batch_size=2,
-    )
+    backend, groups = _toy(config, tiny_path, tokenizer, micro_batch_size=2)
     seen = []
     step = backend.optimizer_step
     backend.optimizer_step = lambda: (seen.append(backend.optimizer.param_groups[0]["lr"]), step())[1]
