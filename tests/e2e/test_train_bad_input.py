@@ -38,9 +38,9 @@ def _refused(res, out, needle: str) -> None:
 
 def test_unknown_yaml_key(tmp_path):  # end to end: the script as a user runs it
     cfg = tmp_path / "run.yaml"
-    cfg.write_text("steps: 3\nlearning_rate: 0.1\n")
+    cfg.write_text("steps: 3\nlearnin_rate: 0.1\n")  # `learning_rate`, TRL's name, is an alias of lr
     out = tmp_path / "out"
-    _refused(python("--config", str(cfg), "--output-dir", str(out)), out, "unknown key 'learning_rate'")
+    _refused(python("--config", str(cfg), "--output-dir", str(out)), out, "unknown key 'learnin_rate'")
     assert not out.exists()
 
 
