@@ -163,7 +163,7 @@ def test_help_lists_every_option_with_its_default():
     assert res.returncode == 0
     text = " ".join(res.stdout.split())
     for needle in (
-        "--lr LR AdamW learning rate (default: 0.001)",
+        "--lr LR AdamW learning rate (the peak, with a schedule) (alias: --learning-rate) (default: 0.001)",
         "--task TASK",
         "{megatron,deepspeed}",
         "--report_to REPORT_TO",
