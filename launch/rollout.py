@@ -28,7 +28,10 @@ from pathlib import Path
 from typing import IO, Any
 
 from interlens_mcore import distributed
-from interlens_mcore.cli import quiet  # noqa: F401  (before megatron / DeepSpeed are imported)
+from interlens_mcore.cli import (
+    defaults,
+    quiet,  # noqa: F401  (before megatron / DeepSpeed are imported)
+)
 from interlens_mcore.cli.args import SECTIONS, Args, LaunchConfig, UsageError, flag, parse, parser
 from interlens_mcore.cli.build import build_trainer, check, world_size
 from interlens_mcore.rollout.rollouter import RolloutConfig
@@ -285,6 +288,7 @@ def play(args: Args, source: Any, folder: Path | None, out: Path, said: str) -> 
         out.mkdir(parents=True, exist_ok=True)
         f = (out / OUT_FILE).open("x")
         print(f"rollout.py: {said}; writing {out / OUT_FILE}", file=sys.stderr, flush=True)
+        print(defaults.describe(args), file=sys.stderr, flush=True)  # the task's values, and why
         bar = progress_bar(rounds, desc="rollout")
     try:
         for step in range(rounds):
