@@ -61,9 +61,12 @@ class SwiftStyle(MultiTurnScheduler):
         return self.inner.tokenizer
 
     def bind(self, engine: Engine, tokenizer: Tokenizer) -> None:
-        """Give the scheduler the rollout's engine, and the tokenizer ms-swift keeps as `_tokenizer`."""
-        if self.inner.infer_engine is None:
-            self.inner.infer_engine = InferEngine(engine=engine, tokenizer=tokenizer)
+        """Give the scheduler the tokenizer (ms-swift keeps it as `_tokenizer`), not the engine.
+
+        ms-swift's colocate mode builds its schedulers with no `infer_engine` and the tokenizer
+        passed; its `RolloutScheduler.__getattr__` forwards unknown names to a set engine and
+        answers None where it has none (`getattr(self, "max_concurrent_envs", 4)` would be None).
+        """
         if vars(self.inner).get("_tokenizer") is None:
             self.inner._tokenizer = tokenizer
 

@@ -80,12 +80,12 @@ class SwiftTaskSource(TaskSource):
         ms-swift passes it, `gym_env=NAME`.
         """
         load_plugins(plugins)
-        cls = resolve_scheduler(spec)
+        scheduler_cls = resolve_scheduler(spec)
         kwargs = dict(scheduler_kwargs or {})
         if gym_env is not None:
             resolve_gym_env(gym_env)
             kwargs["gym_env"] = gym_env
-        scheduler = build_scheduler(cls, max_turns=max_turns, **kwargs)
+        scheduler = build_scheduler(scheduler_cls, max_turns=max_turns, **kwargs)
         return cls(scheduler, dataset, max_turns=max_turns, **options)
 
     def rows(self, n: int, *, seed: int) -> list[dict[str, object]]:
