@@ -210,3 +210,19 @@ def test_an_empty_reply_that_rewrites_the_question_fails_only_its_request(tmp_pa
     assert good.status is Status.STOPPED and good.infos.turns == 2
     assert bad.status is Status.FAILED and sum(bad.loss_mask) == 0
     assert bad.infos.stop_reason.startswith("scheduler: HistoryRewriteError: ")
+
+
+def test_any_module_path_flag_loads_the_file_as_a_package_member(tmp_path):
+    from interlens_mcore.plugins import load_object
+
+    (tmp_path / "scores.py").write_text("def one(trajectories, rows):\n    return [1.0] * len(rows)\n")
+    (tmp_path / "my_reward.py").write_text("from .scores import one as reward\n")
+    assert load_object(f"{tmp_path}/my_reward.py:reward", what="--reward")([], [0, 0]) == [1.0, 1.0]
+
+
+def test_gym_env_flag_in_both_spellings():
+    from interlens_mcore.cli.args import parse
+
+    for flag in ("--gym-env", "--gym_env"):
+        args = parse([flag, "math_env", "--multi-turn-scheduler", "gym_scheduler"], "test")
+        assert args.launch.gym_env == "math_env"
