@@ -28,6 +28,7 @@ setup(
         # environment instead (it pins transformers<5.20): see .ci/vllm_stage.sh
         "vllm": ["vllm>=0.32"],  # the API used here (reload_weights, logprobs_mode) as of 0.32
         "logging": ["tensorboard>=2.16", "wandb>=0.18"],
+        "swift": ["math-verify==0.9.0"],  # compat.swift.MathAccuracy
         # everything but vLLM (its CPU build needs an environment of its own)
         "all": [
             "megatron-core==0.16.1",
@@ -44,6 +45,7 @@ setup(
             "wandb>=0.18",
             "gguf>=0.10",
             "accelerate>=1.0",
+            "math-verify==0.9.0",
         ],
     },
 )

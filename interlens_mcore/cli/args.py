@@ -100,6 +100,10 @@ class LaunchConfig:
             "held-out rows, print the summary and write it to --output-dir/eval.jsonl; no training"
         },
     )
+    gym_env: str | None = field(
+        default=None,
+        metadata={"help": "scheduler: a registered gym environment (envs dict), passed as gym_env="},
+    )
 
     def __post_init__(self) -> None:
         if self.resume not in RESUME:

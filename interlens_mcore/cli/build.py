@@ -55,6 +55,8 @@ def base_source(args: Args) -> TaskSource:
     """--task, or --dataset, or --multi-turn-scheduler over --dataset."""
     la = args.launch
     try:
+        if la.gym_env is not None and la.multi_turn_scheduler is None:
+            raise ValueError("--gym-env names the environment of a --multi-turn-scheduler: give one")
         if la.multi_turn_scheduler is not None:
             source = swift_source(args)
         elif la.dataset is not None:
@@ -105,6 +107,7 @@ def swift_source(args: Args) -> TaskSource:
         reward_key=la.reward_key,
         train_turns=la.loss_scale,
         scheduler_kwargs={"tokenizer": tokenizer(args)},
+        gym_env=la.gym_env,
     )
 
 

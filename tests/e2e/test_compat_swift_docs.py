@@ -44,3 +44,11 @@ def test_swift_doc_lists_every_semantic_difference():
         "step `rollout_logprobs`",
     ):
         assert f"| {topic} |" in text
+
+
+def test_swift_doc_says_what_loss_scale_each_release_scheduler_needs():
+    text = DOC.read_text()
+    table = text.split("### `--loss-scale` per scheduler")[1].split("\n## ")[0]
+    for name in ("math_tip_trick", "thinking_tips_scheduler", "gym_scheduler", "openenv_scheduler"):
+        (row,) = [line for line in table.splitlines() if f"(`{name}`)" in line]
+        assert row.count("|") == 5  # scheduler, ms-swift, here, what to pass

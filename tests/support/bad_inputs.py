@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+SWIFT_ROWS = '{"messages": [{"role": "user", "content": "q"}], "solution": "1"}\n'
 FACTORY = "def make():\n    raise RuntimeError('boom')\n\n\ndef not_a_task():\n    return 5\n"
 
 
@@ -451,6 +452,31 @@ SECTIONS: list[tuple[str, list[Refusal]]] = [
                 "checkpoints this version wrote, or train into a new --output-dir (a checkpoint's weights "
                 "load as --model)",
                 tested_by="tests/e2e/test_checkpoint_safety.py::test_resume_refuses_a_checkpoint_carrying_a_payload",
+            ),
+        ],
+    ),
+    (
+        "ms-swift schedulers and environments",
+        [
+            Refusal(
+                "--gym-env without a scheduler",
+                ("--gym-env", "math_env"),
+                "--gym-env names the environment of a --multi-turn-scheduler: give one",
+            ),
+            Refusal(
+                "a scheduler name nothing registered",
+                ("--multi-turn-scheduler", "math_tips", "--dataset", "{tmp}/rows.jsonl"),
+                "--multi-turn-scheduler 'math_tips': no scheduler of that name (registered: gym_scheduler); "
+                "register one in a --external-plugins file's multi_turns dict or give MODULE:CLASS",
+                files=(("rows.jsonl", SWIFT_ROWS),),
+            ),
+            Refusal(
+                "a gym environment name nothing registered",
+                ("--multi-turn-scheduler", "gym_scheduler", "--gym-env", "math_env")
+                + ("--dataset", "{tmp}/rows.jsonl"),
+                "--gym-env 'math_env': no environment of that name (registered: none); register one in a "
+                "--external-plugins file's envs dict",
+                files=(("rows.jsonl", SWIFT_ROWS),),
             ),
         ],
     ),

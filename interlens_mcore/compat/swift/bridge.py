@@ -13,6 +13,11 @@ scheduler with ms-swift's meaning, and answers the driver in token space:
   (None is "not done"; numpy bools count), else `check_finished`; and the turn cap;
 - `step` runs the scheduler's step and turns the messages it appended into ids
   (transcript.py); step logprobs that are empty or None fall back to the engine's.
+
+A step that rewrites history the engine already saw (`HistoryRewriteError`: ms-swift's
+MathTipsScheduler does on an empty reply) fails only its own request: the request is marked
+failed (`RequestState.failed`, `"scheduler: HistoryRewriteError: ..."`), takes no more of the
+scheduler's hooks and finishes at the next round; the compat driver gives it status FAILED.
 """
 
 from __future__ import annotations
@@ -29,7 +34,13 @@ from ... import MultiTurnScheduler as NativeScheduler
 from ...rollout.limits import maybe_await
 from ...types import validate_tokens
 from .scheduler import MultiTurnScheduler
-from .transcript import append_completion, extension, native_messages, without_placeholder
+from .transcript import (
+    HistoryRewriteError,
+    append_completion,
+    extension,
+    native_messages,
+    without_placeholder,
+)
 from .types import ChatCompletionResponseChoice, Message, RolloutInferRequest
 
 T = TypeVar("T")
@@ -61,6 +72,7 @@ class RequestState:
     turn_result: dict[str, Any] = field(default_factory=dict)  # on_turn_end's, this round
     by_cap: bool = False  # finished by the turn cap alone
     final: tuple[list[int], list[int], list[float] | None] | None = None  # on_turn_end's last turn
+    failed: str | None = None  # why the scheduler failed this request alone ("scheduler: ...")
 
     def where(self, turn: int) -> str:
         return f"request {self.request.uuid} (index {self.index}, turn {turn})"
@@ -145,6 +157,9 @@ class SwiftBridge(NativeScheduler):
         self, request: MultiTurnRequest, response_choice: ResponseChoice, current_turn: int
     ):
         st = self.states[request.index]
+        if st.failed is not None:  # its history is not the engine's any more: no hook sees it
+            self._hooked.setdefault(current_turn, []).append(request.index)
+            return None
         st.choice = ChatCompletionResponseChoice.from_native(response_choice, self.chat.tokenizer)
         append_completion(st.request.messages, response_choice.text)
         st.snapshot = copy.deepcopy(st.request.messages)
@@ -176,6 +191,9 @@ class SwiftBridge(NativeScheduler):
         order = sorted(self._hooked.get(turn, []), key=lambda i: self.states[i].position)
         for index in order:
             st = self.states[index]
+            if st.failed is not None:
+                decided[index] = True
+                continue
             checked = self._call(
                 "check_finished", st, turn, self.user.check_finished, st.request, st.choice, turn
             )
@@ -214,7 +232,10 @@ class SwiftBridge(NativeScheduler):
         ids, mask, logprobs, given = turn_overrides(
             result, response_choice.token_ids, response_choice.logprobs, where
         )
-        extra = extension(self.chat, st.snapshot, nxt.messages, ids, ids_given=given, where=where)
+        try:
+            extra = extension(self.chat, st.snapshot, nxt.messages, ids, ids_given=given, where=where)
+        except HistoryRewriteError as exc:
+            return self._fail_request(st, request, response_choice, exc)
         st.request = nxt
         native = dataclasses.replace(
             request,
@@ -227,4 +248,18 @@ class SwiftBridge(NativeScheduler):
             "response_loss_mask": mask,
             "rollout_logprobs": logprobs,
             "rollout_infos": result.get("rollout_infos"),
+        }
+
+    def _fail_request(
+        self, st: RequestState, request: MultiTurnRequest, choice: ResponseChoice, exc: HistoryRewriteError
+    ) -> dict[str, Any]:
+        """Fail this request alone: its sampled ids close the turn untrained, and it finishes at
+        the next round (the native driver ends a request only before a step)."""
+        st.failed = f"scheduler: {type(exc).__name__}: {exc}"
+        ids = list(choice.token_ids)
+        return {
+            "infer_request": dataclasses.replace(request, prompt_ids=request.prompt_ids + ids),
+            "response_token_ids": ids,
+            "response_loss_mask": [0] * len(ids),
+            "rollout_logprobs": [],
         }

@@ -173,12 +173,14 @@ def _override_final(out: RolloutOutput, st: RequestState) -> None:
 
 
 def _finish(out: RolloutOutput, st: RequestState, train_turns: TrainTurns) -> SwiftOutput:
-    if out.status in (Status.STOPPED, Status.MAX_TURNS):
+    if st.failed is not None:  # the bridge failed this request alone (a rewritten history)
+        out.status, out.error = Status.FAILED, st.failed
+    elif out.status in (Status.STOPPED, Status.MAX_TURNS):
         _override_final(out, st)
         out.status = Status.MAX_TURNS if st.by_cap else Status.STOPPED
     last = len(out.response_loss_mask) - 1
     for t, mask in enumerate(out.response_loss_mask):
-        if train_turns == "last_round" and t != last:
+        if (train_turns == "last_round" and t != last) or st.failed is not None:  # a failure trains nothing
             mask[:] = [0] * len(mask)
         if sum(mask) == 0:  # a turn that trains nothing needs no logprobs: it must not turn IS off
             out.rollout_logprobs[t] = []

@@ -35,7 +35,7 @@ import copy
 from typing import Any
 
 from ...rollout.limits import maybe_await
-from .scheduler import InferEngine, MultiTurnScheduler
+from .scheduler import InferEngine, MultiTurnScheduler, multi_turns
 from .types import ChatCompletionResponseChoice, Message, RolloutInferRequest
 
 
@@ -160,3 +160,4 @@ class GymScheduler(MultiTurnScheduler):
 
 
 GYMScheduler = GymScheduler  # ms-swift's spelling
+multi_turns["gym_scheduler"] = GymScheduler  # ms-swift's registry name (a plugin file's own wins)

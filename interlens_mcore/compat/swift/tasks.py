@@ -27,7 +27,7 @@ from ...rollout.rollouter import Rollout, Rollouter, RolloutPlan
 from ...rollout.vote import GatherFn, local_gather
 from ...tasks.base import TaskSource
 from .driver import rollout_trajectories, run_requests, sample_requests
-from .plugins import build_scheduler, load_plugins, resolve_scheduler
+from .plugins import build_scheduler, load_plugins, resolve_gym_env, resolve_scheduler
 from .scheduler import MultiTurnScheduler
 from .types import TrainTurns
 
@@ -71,11 +71,21 @@ class SwiftTaskSource(TaskSource):
         plugins: Sequence[str | Path] = (),
         max_turns: int | None = None,
         scheduler_kwargs: dict[str, Any] | None = None,  # the scheduler class's own keywords
+        gym_env: str | None = None,
         **options: Any,  # SwiftTaskSource's keywords
     ) -> SwiftTaskSource:
-        """`--external-plugins FILE.py ... --multi-turn-scheduler MODULE:CLASS` (or a registered name)."""
+        """`--external-plugins FILE.py ... --multi-turn-scheduler MODULE:CLASS` (or a registered name).
+
+        `gym_env` (`--gym-env NAME`) names a registered environment; the scheduler gets it as
+        ms-swift passes it, `gym_env=NAME`.
+        """
         load_plugins(plugins)
-        scheduler = build_scheduler(resolve_scheduler(spec), max_turns=max_turns, **(scheduler_kwargs or {}))
+        scheduler_cls = resolve_scheduler(spec)
+        kwargs = dict(scheduler_kwargs or {})
+        if gym_env is not None:
+            resolve_gym_env(gym_env)
+            kwargs["gym_env"] = gym_env
+        scheduler = build_scheduler(scheduler_cls, max_turns=max_turns, **kwargs)
         return cls(scheduler, dataset, max_turns=max_turns, **options)
 
     def rows(self, n: int, *, seed: int) -> list[dict[str, object]]:

@@ -18,6 +18,7 @@ from ...chat import Tokenizer
 from ...rollout.rollouter import describe_request
 
 Message = dict[str, Any]  # {"role": ..., "content": str | None, ...}
+Messages = list[Message]  # ms-swift's name of a conversation
 TrainTurns = Literal["all", "last_round"]  # ms-swift's loss_scale: every assistant round, or the last
 
 
@@ -64,6 +65,34 @@ class ChatCompletionResponseChoice:
         )
 
 
+@dataclass(kw_only=True)
+class ChatCompletionResponse:
+    """An engine's answer to one request, shaped like ms-swift's (`choices[0]` is the reply)."""
+
+    choices: list[ChatCompletionResponseChoice]
+    model: str = ""
+    id: str = ""
+    usage: dict[str, int] | None = None
+
+
+@dataclass(kw_only=True)
+class RequestConfig:
+    """ms-swift's sampling settings of a request, for type hints and `n == 1` checks in ported
+    files; the run's own sampling (--temperature, --max-new-tokens, ...) is what the engine uses."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float | None = None
+    n: int = 1
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
 def choice_logprobs(choice: ChatCompletionResponseChoice) -> list[float]:
     """The engine's logprobs of a choice as floats; [] when it has none (ms-swift's helper)."""
     if choice.logprobs is None or "content" not in choice.logprobs:
@@ -100,9 +129,11 @@ class SwiftOutput:
     def to_trajectory(self, *, group: int = 0, reward_key: str | None = None) -> Trajectory:
         """The trajectory, its infos filled as on every scheduler path (`describe_request`):
         `conversation` is the request's uuid, `env_reward` is `rollout_infos[reward_key]` when
-        it is set."""
+        it is set; a FAILED one's `stop_reason` is its cause (`"scheduler: ..."`)."""
         traj = self.native.to_trajectory(group=group)
         describe_request(traj, self.request.uuid, self.request.messages, reward_key)
+        if self.status is Status.FAILED:  # the cause, as every failed sample carries it
+            traj.infos.stop_reason = self.native.error
         return traj
 
 

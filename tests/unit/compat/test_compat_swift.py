@@ -17,7 +17,6 @@ from interlens_mcore.chat import ChatFormat
 from interlens_mcore.compat.swift import (
     Env,
     GymScheduler,
-    HistoryRewriteError,
     MultiTurnScheduler,
     SwiftTaskSource,
     envs,
@@ -300,17 +299,23 @@ def test_prompt_ending_in_an_assistant_prefill_is_continued(tokenizer, chat):
     assert engine.view(0)[0][0] == chat.message_ids("user", "q") + chat.generation_prompt_ids()
 
 
-def test_rewriting_history_names_the_request_and_message(tokenizer):
+def test_rewriting_history_fails_only_that_request(tokenizer):
     class Rewriter(EchoToolScheduler):
         def step(self, infer_request, response_choice, current_turn):
-            infer_request.messages[0]["content"] = "a different question"
+            if infer_request.uuid.endswith("-0"):
+                infer_request.messages[0]["content"] = "a different question"
             return super().step(infer_request, response_choice, current_turn)
 
     engine = ScriptedEngine(tokenizer, lambda i, t: "hello")
-    with pytest.raises(MultiTurnValueError, match=r"messages\[0\] \(user: 'question 0'") as info:
-        run(user_rows(1), Rewriter(max_turns=3), engine, tokenizer, SAMPLING, seed=5)
-    assert isinstance(info.value.__cause__, HistoryRewriteError)
-    assert "request 5-0" in str(info.value)  # its uuid
+    bad, good = run(user_rows(2), Rewriter(max_turns=3), engine, tokenizer, SAMPLING, seed=5)
+    assert good.status is Status.STOPPED and good.num_turns == 3
+    assert_engine_view(good.to_trajectory(), engine.view(1))
+    assert bad.status is Status.FAILED
+    reason = bad.to_trajectory().infos.stop_reason
+    assert reason.startswith("scheduler: HistoryRewriteError: request 5-0 (index 0, turn 1): step()")
+    assert "messages[0] (user: 'question 0'" in reason
+    assert sum(bad.to_trajectory().loss_mask) == 0  # a failed sample trains nothing
+    assert len(engine.view(0)) == 2  # it ended at the next round: no hook or step saw it again
 
 
 # -- ms-swift's meaning where the native API differs -------------------------------------------------
