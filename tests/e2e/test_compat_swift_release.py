@@ -16,6 +16,9 @@ import pytest
 from support.launch import SMALL, metrics, torchrun
 from support.swift_release import release_files
 
+# four 3-step torchrun runs (about four minutes here), and a download on a fresh machine
+pytestmark = pytest.mark.slow
+
 # an environment of ours, registered ms-swift style in the plugin file's own `envs`
 ENVS = """
 from interlens_mcore.compat.swift import Env, MathAccuracy
