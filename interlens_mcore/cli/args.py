@@ -100,6 +100,13 @@ class LaunchConfig:
             "held-out rows, print the summary and write it to --output-dir/eval.jsonl; no training"
         },
     )
+    reward_funcs: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "reward functions by name (ms-swift's flag): built-in accuracy, format, react_format, "
+            "cosine, repetition, soft_overlong, or a name in an --external-plugins file's orms dict"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.resume not in RESUME:
