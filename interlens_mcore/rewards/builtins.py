@@ -18,6 +18,7 @@ Use other values from Python: `myrewards.py` holds `cosine = Cosine(max_len=256)
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
 import threading
@@ -37,6 +38,13 @@ class Accuracy:
     """Math answer equivalence by `math_verify` (module docstring)."""
 
     name = "accuracy"
+
+    def __init__(self) -> None:
+        if importlib.util.find_spec("math_verify") is None:
+            raise ValueError(
+                "the accuracy reward compares answers with math_verify, which is not installed "
+                "(pip install -e '.[rewards]')"
+            )
 
     def __call__(
         self,
