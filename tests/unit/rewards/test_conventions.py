@@ -193,3 +193,26 @@ def test_trls_own_reward_functions_run_unchanged():
         "think_format_reward": [1.0, 0.0],
         "soft_overlong_punishment_reward": [0.0, -0.5],
     }
+
+
+def test_a_reasoning_gym_row_gives_its_entry_fields_and_conversational_completions():
+    from interlens_mcore.tasks.reasoning_gym import ReasoningOptions, ReasoningTask
+
+    seen = {}
+
+    def spy(completions, question, answer, metadata, **kwargs):
+        seen.update(completions=completions, question=question, answer=answer, metadata=metadata)
+        return [1.0]
+
+    task = ReasoningTask(
+        entry={"question": "2 + 2?", "answer": "4", "metadata": {"level": 1}},
+        score=lambda said, entry: 0.0,
+        options=ReasoningOptions(),
+    )
+    adapt(spy, what="--reward")([sample("4")], [task])
+    assert seen == {
+        "completions": [[{"role": "assistant", "content": "4"}]],
+        "question": ["2 + 2?"],
+        "answer": ["4"],
+        "metadata": [{"level": 1}],
+    }
