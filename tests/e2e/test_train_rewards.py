@@ -21,7 +21,8 @@ def _dataset(tmp_path):
 OVERLONG = """
 from trl.rewards import get_soft_overlong_punishment
 
-overlong = get_soft_overlong_punishment(max_completion_len=8, soft_punish_cache=4)
+# every reply the tiny model samples (a token or more, then its end-of-turn token) is penalized
+overlong = get_soft_overlong_punishment(max_completion_len=4, soft_punish_cache=3)
 """
 
 
@@ -38,7 +39,7 @@ def test_trls_shipped_reward_functions_train(tmp_path):
     names = ["accuracy_reward", "think_format_reward", "soft_overlong_punishment_reward"]
     for r in rows:
         assert all(isinstance(r[f"reward/{n}"], float) for n in names), r
-        assert -1.0 <= r["reward/soft_overlong_punishment_reward"] <= 0.0
+        assert -1.0 <= r["reward/soft_overlong_punishment_reward"] < 0.0  # it read completion_ids
     assert json.loads((out / "run.json").read_text())["rewards"] == names
 
 
