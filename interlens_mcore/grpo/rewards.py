@@ -63,8 +63,21 @@ class RewardError(ValueError):
     """A reward function returned something that is not one finite number (or None) per trajectory."""
 
 
+ASK_FOR_A_REWARD = "give the task a reward function (--reward MODULE:FN)"
+ASK_FOR_NO_ENV_REWARD = (
+    "the task's own reward is on by default: pass --no-env-reward to score with your reward functions alone"
+)
+
+
 class NoEnvironmentReward(RewardError):
-    """The task's own reward was asked for and the task gives none."""
+    """The task's own reward was asked for and the task gives none; `hint` says what to pass."""
+
+    def __init__(self, sample: str, hint: str = ASK_FOR_A_REWARD):
+        self.sample = sample
+        super().__init__(
+            f"{sample} has no environment reward: its environment's reward() returned None, or its "
+            f"scheduler set no reward in rollout_infos; {hint}"
+        )
 
 
 @dataclass
@@ -103,11 +116,8 @@ def environment_reward(trajectories: Sequence[Trajectory], rows: Sequence[object
     for i, t in enumerate(trajectories):
         value = t.infos.env_reward
         if value is None and t.status not in (Status.TIMEOUT, Status.FAILED):
-            raise NoEnvironmentReward(
-                f"trajectory {i} ({t.infos.conversation or '?'}, seat {t.participant!r}) has no "
-                "environment reward: its environment's reward() returned None, or its scheduler set "
-                "no reward in rollout_infos; give the task a reward function (--reward MODULE:FN)"
-            )
+            where = f"{t.infos.conversation or '?'}, seat {t.participant!r}"
+            raise NoEnvironmentReward(f"trajectory {i} ({where})")
         out.append(0.0 if value is None or t.status is Status.FAILED else float(value))
     return out
 
@@ -222,13 +232,7 @@ class WeightedRewards:
             returned = fn(trajectories, rows)
         except NoEnvironmentReward as exc:
             if len(self.fns) > 1:  # the user gave reward functions and left the task's own on
-                raise NoEnvironmentReward(
-                    f"{exc}".replace(
-                        "give the task a reward function (--reward MODULE:FN)",
-                        "the task's own reward is on by default: pass --no-env-reward to score "
-                        "with your reward functions alone",
-                    )
-                ) from None
+                raise NoEnvironmentReward(exc.sample, ASK_FOR_NO_ENV_REWARD) from None
             raise
         except RewardError:
             raise
