@@ -64,3 +64,13 @@ def test_an_ms_swift_orm_plugin_trains_by_reward_funcs(tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert all(0.0 <= r["reward/myorm"] <= 1.0 and 0.0 <= r["reward/accuracy"] <= 1.0 for r in rows)
     assert json.loads((out / "run.json").read_text())["rewards"] == ["myorm", "accuracy"]
+
+
+def test_reward_functions_over_a_task_without_its_own_reward_ask_for_no_env_reward(tmp_path):
+    out = tmp_path / "run"
+    args = ["--dataset", str(_dataset(tmp_path)), "--reward-funcs", "format", "--steps", "3"]
+    res = torchrun(*args, "--output-dir", str(out), *SMALL, cwd=tmp_path, timeout=600)
+    assert res.returncode != 0
+    assert "has no environment reward" in res.stderr
+    assert "pass --no-env-reward to score with your reward functions alone" in res.stderr
+    assert "(--reward MODULE:FN)" not in res.stderr
