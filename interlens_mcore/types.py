@@ -96,6 +96,8 @@ class TrajectoryInfo:
     finish_reasons: list[str | None] = field(default_factory=list)  # one per turn of the seat
     stop_reason: str | None = None  # why the conversation ended (a stop, a timeout, a failure)
     logprobs_complete: bool = True  # False: rollout logprobs dropped, IS correction off here
+    # every reward function returned None (TRL's "unscorable"): out of the baseline and the loss
+    unscored: bool = False
     extra: dict[str, object] = field(default_factory=dict)
 
     @classmethod

@@ -129,6 +129,7 @@ class GRPOTrainer:
             stop=tasks.stop,
         )
         self.rewards = WeightedRewards(list(rewards or [environment_reward]), reward_weights)
+        self.rewards.state.max_steps = config.steps
         # every rank writes into the folder rank 0 names (a fresh one when none is given)
         chosen = config.output_dir or str(rundir.fresh_name(tasks.name))
         self.output_dir = Path(distributed.all_gather_object(chosen)[0])
@@ -222,7 +223,9 @@ class GRPOTrainer:
             rec = self.update_and_record(rollout, components, t0)
         return rec, rollout
 
-    def update_and_record(self, rollout: Rollout, components: dict[str, list[float]], t0: float) -> dict:
+    def update_and_record(
+        self, rollout: Rollout, components: dict[str, list[float | None]], t0: float
+    ) -> dict:
         """The collective part of a step, after its world check: the update and the step's figures."""
         rcfg = self.rollout_config
         shared = self.share_over_tp(rollout)
@@ -255,7 +258,13 @@ class GRPOTrainer:
         rec = {
             "step": self.step,
             # over the world, each rank its own samples: under TP `shared` holds its group's union
-            **record.rollout_figures(rollout, components, None, dataset_of=self.tasks.dataset_of),
+            **record.rollout_figures(
+                rollout,
+                components,
+                None,
+                dataset_of=self.tasks.dataset_of,
+                logged=self.rewards.take_metrics(),
+            ),
             **record.train_figures(metrics, skipped_steps=self.skipped_steps),
             "learning_rate": lr,  # the schedule's rate of this step (TRL's name)
             "rollout_s": round(t1 - t0, 3),
@@ -284,13 +293,13 @@ class GRPOTrainer:
         assert error is None, "check_world raises when any rank failed"
         return out
 
-    def scored_rollout(self, step: int) -> tuple[Rollout, dict[str, list[float]]]:
+    def scored_rollout(self, step: int) -> tuple[Rollout, dict[str, list[float | None]]]:
         """This rank's rollout of `step` with rewards and advantages set, and each reward's values."""
         cfg, rcfg = self.config, self.rollout_config
         seed = mix_seed(rcfg.seed, step, self.groups.rank)
         rows = self.tasks.rows(cfg.batch_size // rcfg.num_generations, seed=seed)
         rollout = self.tasks.run(self.rollouter, rows, step)
-        totals, components = self.rewards.score(rollout.trajectories, rollout.rows)
+        totals, components = self.rewards.score(rollout.trajectories, rollout.rows, step=step)
         self.score(rollout.trajectories, totals)
         rollout.advantages, rollout.keep = rollout_advantages(rollout.trajectories, rcfg)
         return rollout, components
@@ -345,7 +354,8 @@ class GRPOTrainer:
     def scored_evaluation(self, rows: list[object]) -> Rollout:
         """This rank's evaluation rollout of `rows`, scored (collective over the rollout group only)."""
         rollout = self.tasks.evaluate(self.rollouter, rows, self.step)
-        totals, _ = self.rewards.score(rollout.trajectories, rollout.rows)
+        totals, _ = self.rewards.score(rollout.trajectories, rollout.rows, step=self.step)
+        self.rewards.take_metrics()  # what they log while evaluating is not the next step's
         self.score(rollout.trajectories, totals)
         return rollout
 

@@ -104,6 +104,13 @@ class LaunchConfig:
         default=None,
         metadata={"help": "scheduler: a registered gym environment (envs dict), passed as gym_env="},
     )
+    reward_funcs: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "reward functions by name (ms-swift's flag): built-in accuracy, format, react_format, "
+            "cosine, repetition, soft_overlong, or a name in an --external-plugins file's orms dict"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.resume not in RESUME:

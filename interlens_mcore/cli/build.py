@@ -118,19 +118,24 @@ def tokenizer(args: Args):
 
 
 def reward_fns(args: Args) -> tuple[list[Any], list[float] | None]:
-    """The task's own reward (unless --no-env-reward) and each --reward MODULE:FN, with weights."""
-    fns = [] if args.launch.no_env_reward else [environment_reward]
-    for spec in args.launch.reward:
+    """The task's own reward (unless --no-env-reward), each --reward MODULE:FN (any of the three
+    conventions, `interlens_mcore.rewards`) and each --reward-funcs NAME, with weights."""
+    from interlens_mcore.rewards import adapt, named
+
+    la = args.launch
+    fns: list[Any] = [] if la.no_env_reward else [environment_reward]
+    for spec in la.reward:
         try:
-            fn = load_object(spec, what="--reward")
+            fns.append(adapt(load_object(spec, what="--reward"), what=f"--reward {spec}"))
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-        if not callable(fn):
-            raise UsageError(f"--reward {spec}: {type(fn).__name__} is not callable")
-        fns.append(fn)
+    try:
+        fns += named(la.reward_funcs, la.external_plugins, max_new_tokens=args.rollout.max_new_tokens)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     if not fns:
-        raise UsageError("--no-env-reward leaves no reward: add --reward MODULE:FN")
-    weights = list(args.launch.reward_weights) or None
+        raise UsageError("--no-env-reward leaves no reward: add --reward MODULE:FN or --reward-funcs NAME")
+    weights = list(la.reward_weights) or None
     if weights is not None and len(weights) != len(fns):
         names = ", ".join(reward_name(f) for f in fns)
         raise UsageError(

@@ -466,7 +466,8 @@ def describe(t: Trajectory, conv: Conversation, sample: Sample[object] | None = 
 def rollout_advantages(
     trajectories: Sequence[Trajectory], config: RolloutConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Advantages [N] and keep [N] per (prompt, seat) group; timed-out samples scored 0 or left out.
+    """Advantages [N] and keep [N] per (prompt, seat) group; timed-out samples scored 0 or left out,
+    unscored ones (every reward function returned None) left out.
 
     Rewards must be set. A dropped sample must not move its group's baseline, so advantages are
     computed over the others only.
@@ -478,6 +479,7 @@ def rollout_advantages(
     seats = sorted({t.participant for t in trajectories})
     key = [t.group * len(seats) + seats.index(t.participant) for t in trajectories]  # (prompt, seat)
     used = [i for i, late in enumerate(timed_out) if not (late and config.on_timeout == "drop")]
+    used = [i for i in used if not trajectories[i].infos.unscored]  # every reward said None (TRL)
     if config.leave_one_out:  # a sample its group's drops left alone has no baseline: it leaves too
         full = {k: key.count(k) for k in set(key)}
         left = {k: sum(key[i] == k for i in used) for k in set(key)}

@@ -44,6 +44,7 @@ class PromptRow:
     messages: list[Message]
     columns: dict[str, object] = field(default_factory=dict)
     max_turns: int = 2  # the reply and PromptEnd's silent close
+    text_prompt: bool = False  # the prompt cell was a string: TRL reward functions see text
 
     def prompt(self) -> list[Message]:
         return list(self.messages)
@@ -205,6 +206,7 @@ class DatasetSource(TaskSource):
         return [
             PromptRow(
                 messages=prompt_messages(row[self.prompt_column], where=f"dataset {path!r} row {i}"),
+                text_prompt=isinstance(row[self.prompt_column], str),
                 columns=dict(row),
             )
             for i, row in enumerate(data)

@@ -37,6 +37,8 @@ from fault_tools import lookup  # noqa: E402
 STAGES = ("env", "eval_env", "reward", "success", "tool", "scheduler")
 # a tool's failure is the policy's to read (an error line, counted), so that run goes on
 GOES_ON = ("tool",)
+# a reward function's failure fails the samples it raised for (each scored alone), and the run goes on
+ISOLATED = ("reward",)
 STEPS = 2
 
 

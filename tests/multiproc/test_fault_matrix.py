@@ -5,8 +5,9 @@ rollout group; DeepSpeed ZeRO-3, whose rollout group is the DP group) `fault_mat
 raises on rank 0 only and on rank 1 only, at every stage a user's code runs (a training
 rollout's environment, an evaluation rollout's environment, a reward function, `success_of`,
 a tool, a scheduler hook), at the first step and at a later one: 24 cases a layout. Every case
-must end on both ranks with the same named cause within 10 s of the fault, or (a tool's error,
-which the policy reads) run on to the end. A case that hangs leaves the job short of its
+must end on both ranks with the same named cause within 10 s of the fault, or run on to the
+end: a tool's error, which the policy reads, and a reward function's, which fails the samples
+it raised for. A case that hangs leaves the job short of its
 lines and the deadline fails the test.
 
 The last test runs the command of the report that found the hang: an environment that raises
@@ -28,7 +29,7 @@ from support.launch import ROOT, TRAIN, env, kill_all
 
 JOB = Path(__file__).with_name("fault_matrix_job.py")
 sys.path.insert(0, str(JOB.parent))
-from fault_matrix_job import GOES_ON, STEPS, cases  # noqa: E402
+from fault_matrix_job import GOES_ON, ISOLATED, STEPS, cases  # noqa: E402
 
 LAYOUTS = {
     "megatron-tp1-dp2": ["--backend", "megatron", "--tp", "1"],
@@ -68,6 +69,13 @@ def test_every_injected_fault_ends_both_ranks_named_or_is_counted(tmp_path, layo
             assert all(r["steps"] == list(range(STEPS)) for r in ranks), name
             # each failed call was an error line the policy read, counted where it happened
             assert [r["tool_errors"] for r in ranks] == [r["fired"] for r in ranks], name
+            continue
+        if case["stage"] in ISOLATED:
+            # the batch call raised, then each of the rank's 4 samples alone: all 4 FAILED, and
+            # the run went on to its last step everywhere
+            assert [r["ended"] for r in ranks] == ["ran", "ran"], name
+            assert all(r["steps"] == list(range(STEPS)) for r in ranks), name
+            assert failing["fired"] == 1 + 4, name
             continue
         assert [r["ended"] for r in ranks] == ["failed", "failed"], name
         messages = {r["message"] for r in ranks}

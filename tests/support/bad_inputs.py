@@ -12,6 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SWIFT_ROWS = '{"messages": [{"role": "user", "content": "q"}], "solution": "1"}\n'
+ORM_PLUGIN = (
+    "class Strict:\n    def __init__(self, threshold):\n        self.threshold = threshold\n\n"
+    "    def __call__(self, completions, **kwargs):\n        return [0.0 for _ in completions]\n\n\n"
+    "orms = {'strict': Strict}\n"
+)
 FACTORY = "def make():\n    raise RuntimeError('boom')\n\n\ndef not_a_task():\n    return 5\n"
 
 
@@ -348,7 +353,7 @@ SECTIONS: list[tuple[str, list[Refusal]]] = [
             Refusal(
                 "no reward at all",
                 ("--no-env-reward",),
-                "--no-env-reward leaves no reward: add --reward MODULE:FN",
+                "--no-env-reward leaves no reward: add --reward MODULE:FN or --reward-funcs NAME",
             ),
             Refusal(
                 "an empty dataset",
@@ -452,6 +457,26 @@ SECTIONS: list[tuple[str, list[Refusal]]] = [
                 "checkpoints this version wrote, or train into a new --output-dir (a checkpoint's weights "
                 "load as --model)",
                 tested_by="tests/e2e/test_checkpoint_safety.py::test_resume_refuses_a_checkpoint_carrying_a_payload",
+            ),
+            Refusal(
+                "a --reward-funcs name that is neither built in nor in a plugin's orms",
+                ("--reward-funcs", "acuracy"),
+                "--reward-funcs acuracy: no such reward; built-in: accuracy, format, react_format, cosine, "
+                "repetition, soft_overlong (a plugin file registers more in its orms dict)",
+            ),
+            Refusal(
+                "a reward function of none of the three conventions",
+                ("--reward", "{tmp}/rewards.py:one"),
+                "--reward {tmp}/rewards.py:one: one takes (x); expected fn(trajectories, rows), TRL's "
+                "fn(prompts, completions, completion_ids, **kwargs) or an ms-swift ORM class",
+                files=(("rewards.py", "def one(x):\n    return [x]\n"),),
+            ),
+            Refusal(
+                "an ORM class that needs arguments",
+                ("--external-plugins", "{tmp}/orm_plugin.py", "--reward-funcs", "strict"),
+                "--reward-funcs strict: the ORM class Strict cannot be built with no arguments (TypeError: "
+                "Strict.__init__() missing 1 required positional argument: 'threshold')",
+                files=(("orm_plugin.py", ORM_PLUGIN),),
             ),
         ],
     ),

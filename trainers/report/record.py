@@ -32,17 +32,19 @@ def _mean(values: list[float]) -> float | None:
 
 def rollout_figures(
     rollout: Rollout,
-    components: dict[str, list[float]],
+    components: dict[str, list[float | None]],
     group: ProcessGroup | None = None,
     *,
     dataset_of: Callable[[object], str | None] | None = None,
+    logged: dict[str, list[float]] | None = None,
 ) -> dict[str, Any]:
     """Rewards (total, per reward function, per seat, per dataset), success, turns, timeouts,
     completion lengths, zero-variance groups, invalid moves and tool calls over `group`.
 
     Collective over `group` (default: the world), each rank passing its own rollout (before any
     sharing over TP), so every sample and every advantage group counts once. `dataset_of`: the
-    task source's, naming each row's dataset of a mix.
+    task source's, naming each row's dataset of a mix. `logged`: what reward functions logged
+    (TRL's `log_metric`), each name's mean over the ranks as `reward_metric/<name>`.
     """
     rows = rollout.rows if dataset_of is not None else [None] * len(rollout.trajectories)
     facts = [
@@ -50,7 +52,8 @@ def rollout_figures(
         # scored_rewards: a ValueError names a sample left unscored
         for t, reward, row in zip(rollout.trajectories, rollout.scored_rewards(), rows, strict=True)
     ]
-    parts = distributed.all_gather_object({"facts": facts, "components": components}, group=group)
+    mine = {"facts": facts, "components": components, "logged": logged or {}}
+    parts = distributed.all_gather_object(mine, group=group)
     every = [f for p in parts for f in p["facts"]]
     rewards = torch.tensor([f.reward for f in every])
     out: dict[str, Any] = {
@@ -60,7 +63,11 @@ def rollout_figures(
     names = sorted({n for p in parts for n in p["components"]})
     if len(names) > 1:  # several reward functions: each one's mean apart
         out.update(
-            {f"reward/{n}": _mean([v for p in parts for v in p["components"].get(n, [])]) for n in names}
+            # over the samples it applied to: None is TRL's "not applicable"
+            {
+                f"reward/{n}": _mean([v for p in parts for v in p["components"].get(n, []) if v is not None])
+                for n in names
+            }
         )
     seats: dict[str, list[float]] = {}
     for f in every:
@@ -74,6 +81,8 @@ def rollout_figures(
     out["timeouts"] = sum(f.status is Status.TIMEOUT for f in every)  # samples a step time limit ended
     out["truncated"] = sum(f.status is Status.TRUNCATED for f in every)  # samples that outgrew the context
     out.update(sample_figures([p["facts"] for p in parts]))
+    for key in sorted({k for p in parts for k in p["logged"]}):
+        out[f"reward_metric/{key}"] = _mean([v for p in parts for v in p["logged"].get(key, [])])
     return out
 
 

@@ -143,3 +143,15 @@ def test_the_rows_of_a_reasoning_gym_mix_name_their_dataset_through_tools_too():
     assert [tooled.dataset_of(r) for r in tooled.rows(16, seed=0)] == names
     single = source("chain_sum")
     assert single.dataset_of(single.rows(1, seed=0)[0]) is None  # one dataset: no per-dataset figure
+
+
+def test_reward_parts_are_averaged_over_the_samples_they_apply_to_and_logged_metrics_written():
+    trajectories = [_traj(reward=1.0), _traj(reward=0.0)]
+    out = rollout_figures(
+        Rollout(trajectories=trajectories, rows=[None, None]),
+        {"env": [1.0, 0.0], "accuracy_reward": [None, 0.5]},  # None: not applicable (TRL)
+        None,
+        logged={"judge_calls": [2.0, 4.0]},
+    )
+    assert out["reward/env"] == 0.5 and out["reward/accuracy_reward"] == 0.5
+    assert out["reward_metric/judge_calls"] == 3.0

@@ -1,0 +1,76 @@
+"""TRL's own reward functions and an ms-swift-style ORM plugin train 3 steps through the launcher."""
+
+from __future__ import annotations
+
+import json
+
+from support.launch import SMALL, metrics, torchrun
+
+
+def _dataset(tmp_path):
+    """Chat prompts (TRL: conversational completions) with a `solution` column."""
+    data = tmp_path / "sums.jsonl"
+    rows = [
+        {"prompt": [{"role": "user", "content": f"What is {i} + {i}? Box it."}], "solution": f"${2 * i}$"}
+        for i in range(40)
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return data
+
+
+OVERLONG = """
+from trl.rewards import get_soft_overlong_punishment
+
+# every reply the tiny model samples (a token or more, then its end-of-turn token) is penalized
+overlong = get_soft_overlong_punishment(max_completion_len=4, soft_punish_cache=3)
+"""
+
+
+def test_trls_shipped_reward_functions_train(tmp_path):
+    (tmp_path / "overlong.py").write_text(OVERLONG)
+    out = tmp_path / "run"
+    args = ["--dataset", str(_dataset(tmp_path)), "--no-env-reward"]
+    args += ["--reward", "trl.rewards:accuracy_reward", "--reward", "trl.rewards:think_format_reward"]
+    args += ["--reward", "overlong:overlong", "--steps", "3", "--output-dir", str(out)]
+    res = torchrun(*args, *SMALL, "--max-new-tokens", "8", cwd=tmp_path, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    names = ["accuracy_reward", "think_format_reward", "soft_overlong_punishment_reward"]
+    for r in rows:
+        assert all(isinstance(r[f"reward/{n}"], float) for n in names), r
+        assert -1.0 <= r["reward/soft_overlong_punishment_reward"] < 0.0  # it read completion_ids
+    assert json.loads((out / "run.json").read_text())["rewards"] == names
+
+
+PLUGIN = """
+class ShortAnswer:  # ms-swift's ORM convention: built with no arguments, called on the texts
+    def __call__(self, completions, solution, **kwargs):
+        return [1.0 if len(c) <= 2 * len(s) else 0.0 for c, s in zip(completions, solution)]
+
+
+orms = {"myorm": ShortAnswer}
+"""
+
+
+def test_an_ms_swift_orm_plugin_trains_by_reward_funcs(tmp_path):
+    (tmp_path / "myplugin.py").write_text(PLUGIN)
+    out = tmp_path / "run"
+    args = ["--dataset", str(_dataset(tmp_path)), "--no-env-reward", "--external-plugins", "myplugin.py"]
+    args += ["--reward-funcs", "myorm", "accuracy", "--steps", "3", "--output-dir", str(out)]
+    res = torchrun(*args, *SMALL, "--max-new-tokens", "8", cwd=tmp_path, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all(0.0 <= r["reward/myorm"] <= 1.0 and 0.0 <= r["reward/accuracy"] <= 1.0 for r in rows)
+    assert json.loads((out / "run.json").read_text())["rewards"] == ["myorm", "accuracy"]
+
+
+def test_reward_functions_over_a_task_without_its_own_reward_ask_for_no_env_reward(tmp_path):
+    out = tmp_path / "run"
+    args = ["--dataset", str(_dataset(tmp_path)), "--reward-funcs", "format", "--steps", "3"]
+    res = torchrun(*args, "--output-dir", str(out), *SMALL, cwd=tmp_path, timeout=600)
+    assert res.returncode != 0
+    assert "has no environment reward" in res.stderr
+    assert "pass --no-env-reward to score with your reward functions alone" in res.stderr
+    assert "(--reward MODULE:FN)" not in res.stderr
