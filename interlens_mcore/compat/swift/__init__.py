@@ -17,7 +17,7 @@ from .bridge import SwiftBridge
 from .driver import build_requests, rollout_trajectories, run
 from .foreign import SwiftStyle, is_swift_style
 from .gym import Env, GYMScheduler, GymScheduler, envs
-from .orm import MathAccuracy
+from .orm import ORM, AsyncORM, MathAccuracy, orms
 from .plugins import build_scheduler, load_plugins, resolve_gym_env, resolve_scheduler
 from .scheduler import InferEngine, MultiTurnScheduler, multi_turns
 from .tasks import SwiftTaskSource
@@ -45,6 +45,9 @@ __all__ = [
     "HistoryRewriteError",
     "InferEngine",
     "MathAccuracy",
+    "ORM",
+    "AsyncORM",
+    "orms",
     "Messages",
     "MultiTurnScheduler",
     "RequestConfig",

@@ -1,53 +1,54 @@
-"""`MathAccuracy`: the ms-swift ORM ported schedulers and environments score math answers with.
+"""ms-swift's reward-model names for ported files: `ORM`, `AsyncORM`, `orms`, `MathAccuracy`.
 
-An ORM is called as ms-swift calls one: `orm(completions, solution, **columns)` returns one
-float per completion. `MathAccuracy` is 1.0 where math_verify finds the completion's answer
-equal to the solution, else 0.0. A completion's answer is what its `<answer>...</answer>` holds,
-else the whole text (where math_verify then looks for a boxed or plain LaTeX answer); the
-solution is read the same way. A solution math_verify cannot read scores 0.0: a row's bad
-solution should not reward every reply.
+A plugin file written for ms-swift subclasses `ORM` (or `AsyncORM`, whose `__call__` is a
+coroutine) and registers the class in `orms`; after its import line changes to this package,
+`--external-plugins FILE.py --reward-funcs NAME` finds it there (interlens_mcore.rewards.registry
+reads a plugin module's `orms`). An ORM is called as ms-swift calls one:
+`orm(completions, **columns)` returns one float per completion.
+
+`MathAccuracy` is the built-in `accuracy` (interlens_mcore.rewards.builtins.Accuracy, math_verify
+over the `<answer>` text, else a boxed or anchored LaTeX answer) with ms-swift's one difference:
+a solution math_verify cannot read scores 0.0 instead of None.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from typing import Any
 
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+from ...rewards.builtins import Accuracy
 
 
-def _answer(text: str) -> str:
-    found = _ANSWER.search(text)
-    return found.group(1).strip() if found else text
-
-
-class MathAccuracy:
-    """1.0 for a completion whose answer math_verify finds equal to its solution, else 0.0."""
+class ORM:
+    """Base of an ms-swift style reward class: `__call__(completions, **kwargs) -> list[float]`."""
 
     def __init__(self, args: Any = None, **kwargs: Any):
-        try:  # imported here: math_verify is an extra (pip install interlens_mcore[swift])
-            import math_verify
-        except ModuleNotFoundError:
-            raise ModuleNotFoundError(
-                "MathAccuracy needs math_verify: pip install math-verify==0.9.0"
-            ) from None
-        self._verify = math_verify
+        self.args = args  # ms-swift passes its training arguments; here nothing (None)
 
-    def __call__(self, completions: Sequence[str], solution: Sequence[str], **kwargs: Any) -> list[float]:
+    def __call__(self, completions: Sequence[str], **kwargs: Any) -> list[float]:
+        raise NotImplementedError(f"{type(self).__name__} does not define __call__(completions, **kwargs)")
+
+
+class AsyncORM(ORM):
+    """An ORM whose `__call__` is `async def`: awaited (interlens_mcore.rewards.conventions)."""
+
+
+# name -> ORM class, filled by plugin files (`orms["my_reward"] = MyReward`); the built-ins
+# (`--reward-funcs accuracy format ...`) resolve by name without being listed here
+orms: dict[str, type] = {}
+
+
+class MathAccuracy(Accuracy):
+    """1.0 where math_verify finds the completion's answer equal to its solution, else 0.0."""
+
+    def __init__(self, args: Any = None, **kwargs: Any):
+        super().__init__()
+
+    def __call__(self, completions: Sequence[str], solution: Sequence[object], **kwargs: Any) -> list[float]:
         if len(completions) != len(solution):
-            raise ValueError(
-                f"MathAccuracy: {len(completions)} completions for {len(solution)} solutions"
-            )
-        return [self._score(str(c), str(s)) for c, s in zip(completions, solution, strict=True)]
+            raise ValueError(f"MathAccuracy: {len(completions)} completions for {len(solution)} solutions")
+        return [self.one(c, s) for c, s in zip(completions, solution, strict=True)]
 
-    def _score(self, completion: str, solution: str) -> float:
-        mv = self._verify
-        gold = mv.parse(_answer(solution))
-        if not gold:
-            return 0.0
-        answer = mv.parse(_answer(completion))
-        try:
-            return float(mv.verify(gold, answer))
-        except Exception:  # math_verify raises on answers sympy cannot compare: not equal
-            return 0.0
+    def one(self, completion: str, gold: object) -> float:
+        score = super().one(completion, gold)
+        return 0.0 if score is None else score  # an unreadable solution rewards nothing

@@ -77,6 +77,27 @@ def test_math_accuracy_compares_answers_as_math():
         acc(["1", "2"], ["1"])
 
 
+def test_an_orm_written_for_ms_swift_registers_in_orms_and_runs_by_name(tmp_path):
+    from interlens_mcore.rewards import named
+
+    (tmp_path / "swift_orm_plugin.py").write_text(textwrap.dedent("""
+        # was: from swift.rewards import ORM, orms
+        from interlens_mcore.compat.swift import ORM, orms
+
+        class Shouting(ORM):
+            def __call__(self, completions, **kwargs):
+                return [float(c.isupper()) for c in completions]
+
+        orms["shouting"] = Shouting
+    """))
+    try:
+        (fn,) = named(["shouting"], [str(tmp_path / "swift_orm_plugin.py")], max_new_tokens=8)
+        assert swift.orms["shouting"].__name__ == "Shouting"
+        assert fn.name == "shouting"
+    finally:
+        swift.orms.pop("shouting", None)
+
+
 def test_a_plugin_file_imports_its_neighbours_relatively(tmp_path):
     (tmp_path / "helper.py").write_text("TIP = 'look again'\n")
     (tmp_path / "rel_plugin.py").write_text(textwrap.dedent("""
