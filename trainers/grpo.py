@@ -47,6 +47,7 @@ from . import preemption, rundir, state
 from .backends.base import Backend
 from .config import TrainerConfig
 from .report import record
+from .report.failures import step_failures
 from .report.health import HealthCheck
 from .report.reporter import Reporter
 from .schedule import lr_at
@@ -218,9 +219,13 @@ class GRPOTrainer:
         """One rollout and its `updates_per_rollout` optimizer steps; returns (record, rollout)."""
         t0 = time.perf_counter()
         rollout, components = self.together("rollout", self.scored_rollout, self.step)
+        with distributed.stage("failed samples"):
+            failures = step_failures(rollout.trajectories, self.step)
+        # before the update: a step whose samples mostly failed trains nothing (every rank raises)
+        failures.check(self.config.max_failed_fraction)
         with distributed.stage("update"):
             rec = self.update_and_record(rollout, components, t0)
-        return rec, rollout
+        return {**rec, **failures.figures()}, rollout
 
     def update_and_record(self, rollout: Rollout, components: dict[str, list[float]], t0: float) -> dict:
         """The collective part of a step, after its world check: the update and the step's figures."""
@@ -363,6 +368,7 @@ class GRPOTrainer:
                     "reward": t.reward,  # set by score()
                     "advantage": a,
                     "status": t.status.value,
+                    "stop_reason": t.infos.stop_reason,  # a failed sample's cause
                     "finish_reasons": [s.finish_reason for s in t.turns],
                     "text": self.tokenizer.decode(t.token_ids),
                 }

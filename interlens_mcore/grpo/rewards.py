@@ -51,12 +51,12 @@ def environment_reward(trajectories: Sequence[Trajectory], rows: Sequence[object
     """The environments' own reward for each trajectory's seat (`infos.env_reward`).
 
     A trajectory a step time limit ended may never have been scored: it gets 0 here (the
-    trainer then applies `on_timeout`).
+    trainer then applies `on_timeout`); so does a FAILED one (it leaves the loss).
     """
     out = []
     for i, t in enumerate(trajectories):
         value = t.infos.env_reward
-        if value is None and t.status is not Status.TIMEOUT:
+        if value is None and t.status not in (Status.TIMEOUT, Status.FAILED):
             raise RewardError(
                 f"trajectory {i} ({t.infos.conversation or '?'}, seat {t.participant!r}) has no "
                 "environment reward: its environment's reward() returned None, or its scheduler set "
