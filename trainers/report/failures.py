@@ -87,7 +87,7 @@ class StepFailures:
         return (
             f"{len(self.failed)} of {self.total} samples failed at step {self.step} "
             f"({reason} in conversation {example.conversation}); --max-failed-fraction {max_fraction:g}; "
-            "--on-sample-error raise shows the first traceback"
+            "--on-sample-error raise stops the run at the first one instead"
         )
 
 

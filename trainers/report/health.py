@@ -76,7 +76,7 @@ def _failed(v: float, _: int) -> str:
     return (
         f"{v:.0f} samples of the step failed (failed_samples): a scheduler, environment or tool raised "
         "for them, and they leave the loss; metrics.jsonl counts them per cause (failed/<cause>), "
-        "completions.jsonl shows their stop_reason, and --on-sample-error raise shows the first traceback"
+        "completions.jsonl shows their stop_reason; --on-sample-error raise stops at the first one"
     )
 
 
