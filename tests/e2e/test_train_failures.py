@@ -77,8 +77,10 @@ def test_every_sample_failing_ends_the_run_at_its_first_step(tmp_path):
     assert last.startswith(
         "train_grpo.py: error: 16 of 16 samples failed at step 0 (scheduler: KeyError: 'solution'"
     )
-    assert "in conversation s0-r" in last and "--max-failed-fraction 0.5" in last
-    assert last.endswith("--on-sample-error raise stops the run at the first one instead")
+    assert "in conversation s0-r" in last
+    assert last.endswith(
+        "); --max-failed-fraction 0.5; --on-sample-error raise stops the run at the first one instead"
+    )
     assert sum("samples failed at step" in line for line in res.stderr.splitlines()) == 1  # one line
     assert not (out / "metrics.jsonl").is_file() or all_records(out) == []  # no step trained, none logged
 
