@@ -458,7 +458,10 @@ def describe(t: Trajectory, conv: Conversation, sample: Sample[object] | None = 
     seat, info = t.participant, t.infos
     if sample is not None:
         info.index = sample.index
-    given = [p.reward_for(conv, seat) for p in conv.lineup if isinstance(p, Environment)]
+    # a failed conversation's environments are not asked: their state is whatever the failure
+    # left, and the sample leaves the loss anyway (its environment reward counts as 0)
+    failed = conv.status is Status.FAILED
+    given = [p.reward_for(conv, seat) for p in conv.lineup if isinstance(p, Environment) and not failed]
     scores = [s for s in given if s is not None]
     info.env_reward = float(sum(scores)) if scores else None
     own = [m.content for m in conv.messages if m.speaker == seat]

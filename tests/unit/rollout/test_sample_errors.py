@@ -11,6 +11,7 @@ from support.fakes import Endless
 from interlens_mcore import Conversation, Environment, MaxTurns, Policy, SamplingParams, Status, co_step
 from interlens_mcore.chat import ChatFormat
 from interlens_mcore.engines.hf import HFEngine
+from interlens_mcore.grpo.rewards import environment_reward
 from interlens_mcore.rollout.multiturn import (
     EngineRollout,
     MultiTurnError,
@@ -19,7 +20,7 @@ from interlens_mcore.rollout.multiturn import (
     ToolScheduler,
     run_multi_turn,
 )
-from interlens_mcore.rollout.rollouter import RolloutConfig, rollout_advantages
+from interlens_mcore.rollout.rollouter import RolloutConfig, describe, rollout_advantages
 from interlens_mcore.rollout.vote import RolloutError
 from interlens_mcore.types import Trajectory, TrajectoryInfo
 
@@ -27,7 +28,8 @@ SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=3)
 
 
 class Picky(Environment):
-    """Answers every turn, but raises for the conversation named `bad`."""
+    """Answers every turn, but raises for the conversation named `bad`; its reward reads what a
+    finished conversation has."""
 
     name = "env"
 
@@ -38,6 +40,9 @@ class Picky(Environment):
         if conv.id == self.bad:
             raise KeyError("solution")
         return "go on"
+
+    def reward(self, conv):
+        return float(conv.stop_reason == "MaxTurns")
 
 
 def _lineups(tok, n: int, bad: str) -> list[Conversation]:
@@ -53,6 +58,12 @@ def test_co_step_skip_fails_only_the_raising_conversation(tiny):
     assert ok.status is ok2.status is Status.STOPPED and ok.turns_taken == ok2.turns_taken == 4
     t = bad.trajectories()[0]
     assert t.status is Status.FAILED and t.infos.stop_reason == "environment: KeyError: 'solution'"
+    # the rollouter's record: a failed conversation's environments give it no reward (scored 0)
+    good = ok.trajectories()[0]
+    describe(t, bad)
+    describe(good, ok)
+    assert t.infos.env_reward is None and environment_reward([t], [None]) == [0.0]
+    assert good.infos.env_reward == 1.0
 
 
 def test_co_step_raise_fails_the_rollout_as_before(tiny):
