@@ -3,9 +3,12 @@ failed (on one process: `step_failures` gathers over a world of one)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from interlens_mcore.types import Status, Trajectory, TrajectoryInfo
+from trainers import rundir
 from trainers.config import TrainerConfig
 from trainers.report.failures import StepFailures, TooManyFailures, cause_of, failed_samples, step_failures
 
@@ -64,3 +67,11 @@ def test_a_step_over_the_limit_ends_the_run_with_one_line_naming_the_commonest_c
 def test_max_failed_fraction_is_a_share(bad):
     with pytest.raises(ValueError, match=r"TrainerConfig.max_failed_fraction must be in \[0, 1\]"):
         TrainerConfig(max_failed_fraction=bad)
+
+
+def test_a_run_ended_by_failures_may_resume_with_another_limit_or_raise(tmp_path):
+    run = {"steps": 3, "lr": 1e-3, "max_failed_fraction": 0.5, "on_sample_error": "skip"}
+    (tmp_path / rundir.RUN_FILE).write_text(json.dumps(run))
+    rundir.check(tmp_path, {**run, "max_failed_fraction": 0.9, "on_sample_error": "raise"}, resume=True)
+    with pytest.raises(rundir.RunDirError, match="--resume with different options: lr"):
+        rundir.check(tmp_path, {**run, "lr": 1.0}, resume=True)
