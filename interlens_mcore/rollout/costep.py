@@ -215,7 +215,7 @@ def _commit(row_gen: tuple[_Row, Generation]) -> None:
 
 
 def _fail(c: Conversation, exc: Exception, what: str = "hook") -> None:
-    """A policy turn's commit failed: a hook or a stop condition (the task's code) raised."""
+    """End `c` FAILED: `what` failed, by default a hook of a policy turn's commit (the task's code)."""
     fail(_Lineup(c), exc, what=what, note=f"conversation {c.id}", known=c.id)
 
 
