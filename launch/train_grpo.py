@@ -32,6 +32,7 @@ from interlens_mcore.cli.build import build_trainer, check
 from trainers import preemption, state
 from trainers.checkpoint import ResumeRefused
 from trainers.report import record
+from trainers.report.failures import TooManyFailures
 from trainers.rundir import RunDirError
 
 
@@ -84,7 +85,7 @@ def _main(argv: list[str] | None) -> int:
                 if start:
                     print(f"resuming at step {start} of {args.trainer.steps}", file=sys.stderr)
             trainer.train()
-        except (ResumeRefused, RunDirError) as exc:  # every rank raises it together
+        except (ResumeRefused, RunDirError, TooManyFailures) as exc:  # every rank raises it together
             return _refuse(str(exc))
         except distributed.WorldFailure as exc:  # on every rank: its last line names the cause
             print(f"train_grpo.py: error: {exc}", file=sys.stderr, flush=True)

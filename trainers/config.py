@@ -89,6 +89,13 @@ class TrainerConfig:
             "a second signal stops at once"
         },
     )
+    max_failed_fraction: float = field(
+        default=0.5,
+        metadata={
+            "help": "end the run (exit 2) when more than this share of a step's samples, over all ranks, "
+            "failed (a scheduler, environment or tool raised for them; see --on-sample-error)"
+        },
+    )
 
     def __post_init__(self) -> None:
         for name in (
@@ -112,6 +119,10 @@ class TrainerConfig:
         if not self.grad_clip > 0:
             raise ValueError(f"TrainerConfig.grad_clip must be > 0, got {self.grad_clip}")
         self._check_schedule()
+        if not 0 <= self.max_failed_fraction <= 1:  # nan fails too
+            raise ValueError(
+                f"TrainerConfig.max_failed_fraction must be in [0, 1], got {self.max_failed_fraction}"
+            )
         if not 0 < self.collective_timeout_s < float("inf"):
             raise ValueError(
                 f"TrainerConfig.collective_timeout_s must be a finite number of seconds > 0, "

@@ -47,6 +47,7 @@ from . import preemption, rundir, state
 from .backends.base import Backend
 from .config import TrainerConfig
 from .report import record
+from .report.failures import step_failures
 from .report.health import HealthCheck
 from .report.reporter import Reporter
 from .schedule import lr_at
@@ -128,7 +129,11 @@ class GRPOTrainer:
             frozen_engine=backend.frozen_engine,
             stop=tasks.stop,
         )
-        self.rewards = WeightedRewards(list(rewards or [environment_reward]), reward_weights)
+        self.rewards = WeightedRewards(
+            list(rewards or [environment_reward]),
+            reward_weights,
+            raise_errors=self.rollout_config.on_sample_error == "raise",  # a raising reward: one sample
+        )
         self.rewards.state.max_steps = config.steps
         # every rank writes into the folder rank 0 names (a fresh one when none is given)
         chosen = config.output_dir or str(rundir.fresh_name(tasks.name))
@@ -219,9 +224,13 @@ class GRPOTrainer:
         """One rollout and its `updates_per_rollout` optimizer steps; returns (record, rollout)."""
         t0 = time.perf_counter()
         rollout, components = self.together("rollout", self.scored_rollout, self.step)
+        with distributed.stage("failed samples"):
+            failures = step_failures(rollout.trajectories, self.step)
+        # before the update: a step whose samples mostly failed trains nothing (every rank raises)
+        failures.check(self.config.max_failed_fraction)
         with distributed.stage("update"):
             rec = self.update_and_record(rollout, components, t0)
-        return rec, rollout
+        return {**rec, **failures.figures()}, rollout
 
     def update_and_record(
         self, rollout: Rollout, components: dict[str, list[float | None]], t0: float
@@ -373,6 +382,7 @@ class GRPOTrainer:
                     "reward": t.reward,  # set by score()
                     "advantage": a,
                     "status": t.status.value,
+                    "stop_reason": t.infos.stop_reason,  # a failed sample's cause
                     "finish_reasons": [s.finish_reason for s in t.turns],
                     "text": self.tokenizer.decode(t.token_ids),
                 }

@@ -94,6 +94,7 @@ class Environment(Participant):
 
     role: str = "user"  # how policies see this participant's messages
     timeout_s: float | None = None  # limit of one turn in seconds; None: co_step's step_timeout_s
+    kind: str = "environment"  # what a failed turn's stop reason names as its cause
 
     @abstractmethod
     def respond(self, conv: Conversation) -> object: ...  # str, Message, None, or awaits one

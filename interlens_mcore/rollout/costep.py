@@ -22,7 +22,18 @@ from ..engines.sampler import mix_seed
 from ..types import Message, Status
 from .conversation import Conversation, Environment, Policy, claim, release
 from .limits import StepTimeout, await_limited, check_time_limit
-from .outcome import Room, fail, labelled, prompt_fills, time_out, truncate, turn_fills
+from .outcome import (
+    OnSampleError,
+    Room,
+    SampleErrors,
+    check_on_sample_error,
+    fail,
+    labelled,
+    prompt_fills,
+    time_out,
+    truncate,
+    turn_fills,
+)
 from .round import (
     Call,
     Driver,
@@ -32,7 +43,6 @@ from .round import (
     generate_waves,
     key_of,
     no_running_loop,
-    raise_first,
     run_rounds,
     settle,
 )
@@ -74,10 +84,13 @@ class _Lineup:
 class _CoStep(Driver):
     """co_step's half of the lockstep round: Python turns, then rows per speaker signature."""
 
-    def __init__(self, convs, turns, max_batch_size, group_seed, registry, step_timeout_s, max_rounds):
+    def __init__(
+        self, convs, turns, max_batch_size, group_seed, registry, step_timeout_s, max_rounds, errors
+    ):
         self.convs, self.turns, self.max_batch_size = convs, turns, max_batch_size
         self.group_seed, self.registry, self.step_timeout_s = group_seed, registry, step_timeout_s
         self.max_rounds = max_rounds
+        self.errors: SampleErrors = errors  # one conversation's failure: raised, or kept on it
         self.serial = asyncio.Lock()  # sync responds run one at a time
         # a conversation's own turn limit: `turns` more than it had on entry
         self.limit = {id(c): c.turns_taken + turns for c in convs} if turns is not None else {}
@@ -94,8 +107,8 @@ class _CoStep(Driver):
             if not waiting:
                 break
             errors: list[Exception] = []
-            await settle(waiting, self._python_turn, _fail, errors)
-            raise_first(errors)
+            await settle(waiting, self._python_turn, _fail_turn, errors)
+            self.errors.settle(errors)
         else:
             left = [c.id for c in self.convs if self.open(c)][:5]
             raise RuntimeError(
@@ -182,7 +195,7 @@ class _CoStep(Driver):
         # each conversation commits on its own: a failing hook fails only its conversation
         errors: list[Exception] = []
         each(list(zip(rows, results, strict=True)), _commit, lambda rg, exc: _fail(rg[0].conv, exc), errors)
-        raise_first(errors)
+        self.errors.settle(errors)
 
 
 def _commit(row_gen: tuple[_Row, Generation]) -> None:
@@ -201,11 +214,19 @@ def _commit(row_gen: tuple[_Row, Generation]) -> None:
         truncate(_Lineup(c), turn_fills(c.turns_taken, p.engine.name, p.engine.max_context))
 
 
-def _fail(c: Conversation, exc: Exception) -> None:
-    fail(_Lineup(c), exc, note=f"conversation {c.id}", known=c.id)
+def _fail(c: Conversation, exc: Exception, what: str = "hook") -> None:
+    """End `c` FAILED: `what` failed, by default a hook of a policy turn's commit (the task's code)."""
+    fail(_Lineup(c), exc, what=what, note=f"conversation {c.id}", known=c.id)
 
 
-def _check_args(convs, turns, max_batch_size, max_rounds, step_timeout_s) -> None:
+def _fail_turn(c: Conversation, exc: Exception) -> None:
+    """An environment's or tool's turn raised or returned something that is no message."""
+    speaker = c.speaker
+    _fail(c, exc, speaker.kind if isinstance(speaker, Environment) else "environment")
+
+
+def _check_args(convs, turns, max_batch_size, max_rounds, step_timeout_s, on_sample_error) -> None:
+    check_on_sample_error(on_sample_error, "co_step: on_sample_error")
     if turns is not None and (not isinstance(turns, int) or turns < 0):
         raise ValueError(f"co_step: turns must be an int >= 0 or None, got {turns!r}")
     if not isinstance(max_rounds, int) or isinstance(max_rounds, bool) or max_rounds < 1:
@@ -250,17 +271,19 @@ async def co_step_async(
     max_rounds: int = DEFAULT_MAX_ROUNDS,
     engines: Sequence[Engine] = (),
     step_timeout_s: float | None = None,
+    on_sample_error: OnSampleError = "raise",
 ) -> list[Conversation]:
     """`co_step` for callers inside a running event loop (a notebook, an async server)."""
     convs = list(convs)
     error, registry, claimed = None, {}, []
     try:
-        _check_args(convs, turns, max_batch_size, max_rounds, step_timeout_s)
+        _check_args(convs, turns, max_batch_size, max_rounds, step_timeout_s, on_sample_error)
         claimed = claim(convs, "co_step")  # before `start`, which may change a claimed one
         registry = _start(convs, engines)
     except Exception as exc:  # carried in the first vote, so every rank fails alike
         error, convs = exc, []
-    driver = _CoStep(convs, turns, max_batch_size, group_seed, registry, step_timeout_s, max_rounds)
+    errors = SampleErrors(on_sample_error)
+    driver = _CoStep(convs, turns, max_batch_size, group_seed, registry, step_timeout_s, max_rounds, errors)
     try:
         # with `turns`, every round takes a policy turn of every open conversation: no bound needed
         await run_rounds(
@@ -282,6 +305,7 @@ def co_step(
     max_rounds: int = DEFAULT_MAX_ROUNDS,
     engines: Sequence[Engine] = (),
     step_timeout_s: float | None = None,
+    on_sample_error: OnSampleError = "raise",
 ) -> list[Conversation]:
     """Advance every conversation by `turns` turns, or until its stop conditions fire (None).
 
@@ -302,8 +326,11 @@ def co_step(
     them. `engines` names engines a rank must be able to join even if it holds no
     conversation that uses them; a call that some rank cannot join raises the same
     `RolloutValueError` on every rank before the call. A failure (a raising hook or
-    environment, bad output) marks its own conversation FAILED, naming it; the others keep
-    the turns they made.
+    environment, bad output) marks its own conversation FAILED, naming it, its stop reason
+    "<what>: <ExcType>: <text>" (what: environment, tool, hook); the others keep the turns they
+    made. With `on_sample_error="raise"` (default) that failure then fails the rollout on every
+    rank; with "skip" the others carry on to their ends and nothing is raised. Failures that are
+    not one conversation's (an engine call, the vote, bad arguments) always fail the rollout.
 
     `step_timeout_s` limits every environment / tool / scripted turn (an `Environment`'s own
     `timeout_s` wins). A turn past its limit ends that conversation with status TIMEOUT and

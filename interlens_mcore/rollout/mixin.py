@@ -57,7 +57,8 @@ class RolloutMixin:
 
     def compute_rewards(self, trajectories: Sequence[Trajectory], rows: Sequence[object]) -> list[float]:
         """One reward per trajectory: `reward_fns` summed (rows[i] is trajectories[i]'s row)."""
-        return WeightedRewards(list(self.reward_fns))(trajectories, rows)
+        raise_errors = self.rollout_config.on_sample_error == "raise"
+        return WeightedRewards(list(self.reward_fns), raise_errors=raise_errors)(trajectories, rows)
 
     @cached_property
     def rollouter(self) -> Rollouter:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from ..engines.base import SamplingParams
 from ..types import Status, TrainTurns, check_train_turns
 from .limits import StepTimeout, await_limited, call_limited, check_time_limit
-from .outcome import fail, time_out, truncate
+from .outcome import OnSampleError, SampleErrors, check_on_sample_error, fail, time_out, truncate
 from .results import (
     STEP_KEYS,
     TURN_END_KEYS,
@@ -71,6 +71,7 @@ class _Run:
     step_timeout_s: float | None  # limit of each on_turn_end and step call
     vocab_size: int | None  # len(tokenizer) of the scheduler's chat; None: no chat, no upper bound
     train_turns: TrainTurns = "all"
+    errors: SampleErrors = field(default_factory=SampleErrors)  # one request's failure: raised or kept
     # ids >= vocab_size the engine sampled: a model's vocabulary may be padded past its tokenizer
     sampled: set[int] = field(default_factory=set)
 
@@ -183,7 +184,12 @@ def _finish_or_step(slot: _Slot, run: _Run, turn: int) -> bool:
 
 
 def _fail(slot: _Slot, exc: Exception) -> None:
-    fail(_Ending(slot), exc)
+    """The scheduler's code for this request raised, or returned what the driver refuses."""
+    fail(_Ending(slot), exc, what="scheduler")
+
+
+def _engine_failed(slot: _Slot, exc: Exception) -> None:
+    fail(_Ending(slot), exc, what="rollout_fn")
 
 
 class _Turns(Driver):
@@ -222,8 +228,10 @@ class _Turns(Driver):
             raise ValueError(f"turn {turn}: got {len(choices)} responses for {len(slots)} requests")
         for slot, choice in zip(slots, choices, strict=True):
             slot.choice = choice
+        # the engine's answers: rollout_fn's output is no request's fault, it fails the rollout
+        engine_errors: list[Exception] = []
+        ok = each(slots, lambda s: _accept(s, turn, run), _engine_failed, engine_errors)
         errors: list[Exception] = []
-        ok = each(slots, lambda s: _accept(s, turn, run), _fail, errors)
         serial, hook, limit = asyncio.Lock(), run.scheduler.on_turn_end, run.step_timeout_s
 
         async def turn_end(s: _Slot) -> None:  # concurrent: environments and tools may await I/O
@@ -243,7 +251,8 @@ class _Turns(Driver):
                 running.append(s)
 
         each(ok, finish_or_step, _fail, errors)
-        raise_first(errors)  # the first names its request; every failed request is FAILED
+        raise_first(engine_errors)  # first: they came first
+        run.errors.settle(errors)  # "raise": the first names its request; every failed one is FAILED
         return running
 
 
@@ -273,16 +282,17 @@ async def run_multi_turn_async(
     rank: int = 0,
     step_timeout_s: float | None = None,
     train_turns: TrainTurns = "all",
+    on_sample_error: OnSampleError = "raise",
 ) -> list[RolloutOutput]:
     """`run_multi_turn` for callers inside a running event loop."""
     if max_turns is not None and max_turns < 1:
         raise ValueError(f"run_multi_turn: max_turns must be >= 1 or None, got {max_turns}")
     check_time_limit(step_timeout_s, "run_multi_turn: step_timeout_s")
     check_train_turns(train_turns, "run_multi_turn")
+    check_on_sample_error(on_sample_error, "run_multi_turn: on_sample_error")
     chat = scheduler.chat
-    run = _Run(
-        scheduler, max_turns, step_timeout_s, len(chat.tokenizer) if chat is not None else None, train_turns
-    )
+    vocab = len(chat.tokenizer) if chat is not None else None
+    run = _Run(scheduler, max_turns, step_timeout_s, vocab, train_turns, SampleErrors(on_sample_error))
     driver = _Turns(run, requests, first_turn_outputs, rollout_fn, request_config)
     try:
         await run_rounds(driver, gather_fn=gather_fn, rank=rank)
@@ -304,6 +314,7 @@ def run_multi_turn(
     rank: int = 0,
     step_timeout_s: float | None = None,
     train_turns: TrainTurns = "all",
+    on_sample_error: OnSampleError = "raise",
 ) -> list[RolloutOutput]:
     """Drive this rank's requests to the end; one output per request, in request order.
 
@@ -332,6 +343,11 @@ def run_multi_turn(
     allowed), masks that are not 0/1 or not as long as the ids, non-finite logprobs,
     infos that are not dicts, a `done` that is not a bool, unknown keys. Logprobs of another
     length than the trained tokens are not an error: they are dropped for that sample.
+
+    `on_sample_error` "skip" keeps one request's failure (a hook or step raising, its bad
+    output) on that request: it ends FAILED, its `error` "scheduler: <ExcType>: <text>", and
+    the others carry on; nothing is raised for it. Failures that are not one request's
+    (rollout_fn and its answers, the vote, bad arguments) fail the rollout whatever it says.
     """
     no_running_loop("run_multi_turn")
     return asyncio.run(run_multi_turn_async(**locals()))  # every argument, by name

@@ -9,7 +9,10 @@ here, so a lineup's conversation and a scheduler's request end alike:
 - a time limit: an environment, hook or step past its limit ends that conversation or
   request with status TIMEOUT, not as a failure (`time_out`);
 - a failure: a raising hook, environment or bad output ends its own conversation or request
-  FAILED, with the exception's type and text as the reason (`fail`).
+  FAILED, the reason naming what failed, then the exception's type and text
+  (`"environment: ValueError: bad reply"`; `fail`). Whether the driver then raises for the
+  whole rollout (`on_sample_error="raise"`) or lets the others carry on ("skip") is the
+  driver's `SampleErrors`.
 
 A driver's record of one conversation or request is an `Ending`: it is told the status and
 the reason, and keeps them where its users read them (`Conversation.stop_reason`, a
@@ -19,7 +22,7 @@ scheduler output's `error` or `rollout_infos["timeout"]`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 from ..types import Status
 
@@ -80,14 +83,45 @@ def truncate(target: Ending, reason: str) -> None:
     target.end(Status.TRUNCATED, reason)
 
 
-def fail(target: Ending, exc: Exception, *, note: str | None = None, known: str | None = None) -> None:
-    """End `target` FAILED with `exc` as the reason. `note` (what failed) joins the exception's
-    notes unless a note already says it or its text mentions `known`, so the error raised later
-    names the conversation or request."""
+def fail(
+    target: Ending, exc: Exception, *, what: str, note: str | None = None, known: str | None = None
+) -> None:
+    """End `target` FAILED with the reason `"<what>: <ExcType>: <text>"`: `what` (scheduler,
+    environment, tool, hook) is the cause's category the step's metrics count. `note` (which
+    conversation or request) joins the exception's notes unless a note already says it or its
+    text mentions `known`, so the error raised later names the conversation or request."""
     notes = getattr(exc, "__notes__", ())
     if note is not None and not any(note in n for n in notes) and (known is None or known not in str(exc)):
         exc.add_note(note)
-    target.end(Status.FAILED, f"{type(exc).__name__}: {exc}")
+    target.end(Status.FAILED, failure_reason(what, exc))
+
+
+def failure_reason(what: str, exc: BaseException) -> str:
+    """How a failed sample's stop reason names its cause: `"scheduler: KeyError: 'x'"`."""
+    return f"{what}: {type(exc).__name__}: {exc}"
+
+
+OnSampleError = Literal["skip", "raise"]
+ON_SAMPLE_ERROR: tuple[OnSampleError, ...] = ("skip", "raise")
+
+
+def check_on_sample_error(value: object, where: str) -> None:
+    if value not in ON_SAMPLE_ERROR:
+        raise ValueError(f"{where} must be one of {ON_SAMPLE_ERROR}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SampleErrors:
+    """What a driver does with the failures of single samples once each is marked FAILED:
+    "raise" sends the first to the vote (every rank then raises), "skip" keeps them on their
+    samples and the rollout carries on. Failures that are not one sample's (an engine call,
+    the vote, bad arguments) never come here: they always fail the rollout."""
+
+    on_sample_error: OnSampleError = "raise"
+
+    def settle(self, errors: list[Exception]) -> None:
+        if errors and self.on_sample_error == "raise":
+            raise errors[0]
 
 
 # how a lineup's stop reason names an early end: "timeout: env exceeded 2 s at turn 3"

@@ -33,6 +33,7 @@ from .conversation import Conversation, Environment, Participant, Policy
 from .costep import co_step
 from .limits import check_time_limit
 from .multiturn import EngineRollout, MultiTurnRequest, MultiTurnScheduler, prepare_requests, run_multi_turn
+from .outcome import OnSampleError, check_on_sample_error
 from .stop import MaxTurns
 from .vote import GatherFn
 
@@ -86,6 +87,13 @@ class RolloutConfig:
     on_timeout: Literal["zero", "drop"] = field(
         default="zero", metadata={"help": "a timed-out sample scores 0 (zero) or leaves the batch (drop)"}
     )
+    on_sample_error: Literal["skip", "raise"] = field(
+        default="skip",
+        metadata={
+            "help": "an exception in one sample's scheduler, environment or tool: the sample ends FAILED "
+            "and leaves the loss, the others carry on (skip), or the run fails with its traceback (raise)"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.num_generations < 1:
@@ -99,6 +107,7 @@ class RolloutConfig:
             raise ValueError(
                 f"RolloutConfig.on_timeout must be one of ('zero', 'drop'), got {self.on_timeout!r}"
             )
+        check_on_sample_error(self.on_sample_error, "RolloutConfig.on_sample_error")
         _ = self.sampling  # SamplingParams validates temperature and max_new_tokens
 
     @property
@@ -166,6 +175,7 @@ class RolloutPlan(Generic[R_co]):
     gather_fn: GatherFn  # the rollout group's vote
     rank: int
     step_timeout_s: float | None
+    on_sample_error: OnSampleError = "raise"  # one sample's failure: kept on it (skip) or raised
 
 
 @dataclass
@@ -285,6 +295,7 @@ class Rollouter:
             gather_fn=self.groups.gather_fn(),
             rank=self.groups.rank,  # the global rank: what a failure's message names
             step_timeout_s=cfg.step_timeout_s,
+            on_sample_error=cfg.on_sample_error,
         )
 
     def run(
@@ -325,6 +336,7 @@ class Rollouter:
             rank=plan.rank,
             engines=self.engines(),
             step_timeout_s=plan.step_timeout_s,
+            on_sample_error=plan.on_sample_error,
         )
         trajectories, rows = [], []
         for conv, sample in zip(convs, plan.samples, strict=True):
@@ -351,6 +363,7 @@ class Rollouter:
             gather_fn=plan.gather_fn,
             rank=plan.rank,
             step_timeout_s=plan.step_timeout_s,
+            on_sample_error=plan.on_sample_error,
         )
         trajectories = []
         for o, sample in zip(outputs, plan.samples, strict=True):
@@ -445,7 +458,10 @@ def describe(t: Trajectory, conv: Conversation, sample: Sample[object] | None = 
     seat, info = t.participant, t.infos
     if sample is not None:
         info.index = sample.index
-    given = [p.reward_for(conv, seat) for p in conv.lineup if isinstance(p, Environment)]
+    # a failed conversation's environments are not asked: their state is whatever the failure
+    # left, and the sample leaves the loss anyway (its environment reward counts as 0)
+    failed = conv.status is Status.FAILED
+    given = [p.reward_for(conv, seat) for p in conv.lineup if isinstance(p, Environment) and not failed]
     scores = [s for s in given if s is not None]
     info.env_reward = float(sum(scores)) if scores else None
     own = [m.content for m in conv.messages if m.speaker == seat]
@@ -467,7 +483,8 @@ def rollout_advantages(
     trajectories: Sequence[Trajectory], config: RolloutConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages [N] and keep [N] per (prompt, seat) group; timed-out samples scored 0 or left out,
-    unscored ones (every reward function returned None) left out.
+    failed ones (status FAILED, whatever marked them: the rollout or a reward) and unscored ones
+    (every reward function returned None) always left out.
 
     Rewards must be set. A dropped sample must not move its group's baseline, so advantages are
     computed over the others only.
@@ -476,9 +493,13 @@ def rollout_advantages(
     if config.on_timeout == "zero":
         for t, late in zip(trajectories, timed_out, strict=True):
             t.reward = 0.0 if late else t.reward
+    dropped = [
+        t.status is Status.FAILED or (late and config.on_timeout == "drop")
+        for t, late in zip(trajectories, timed_out, strict=True)
+    ]
     seats = sorted({t.participant for t in trajectories})
     key = [t.group * len(seats) + seats.index(t.participant) for t in trajectories]  # (prompt, seat)
-    used = [i for i, late in enumerate(timed_out) if not (late and config.on_timeout == "drop")]
+    used = [i for i, out in enumerate(dropped) if not out]
     used = [i for i in used if not trajectories[i].infos.unscored]  # every reward said None (TRL)
     if config.leave_one_out:  # a sample its group's drops left alone has no baseline: it leaves too
         full = {k: key.count(k) for k in set(key)}

@@ -156,7 +156,8 @@ class RolloutOutput:
         `train_turns` (default: the run's) picks the trained turns: "all", the "last", or
         one bool per turn. Incomplete logprobs are dropped, which turns IS correction off for
         this sample; `infos.logprobs_complete` says so, so the trainer can count it. The
-        infos hold the request's index, seed and turn count; every other `rollout_infos` key
+        infos hold the request's index, seed, turn count and a failed request's `error` as
+        `stop_reason`; every other `rollout_infos` key
         (a timeout's message, the scheduler's reward) is in `infos.extra`.
         """
         ids = self.prompt_ids + [t for turn in self.response_token_ids for t in turn]
@@ -185,6 +186,7 @@ class RolloutOutput:
                 index=self.request.index,
                 seed=self.request.seed,
                 turns=self.num_turns,
+                stop_reason=self.error,  # a failed request's cause ("scheduler: KeyError: ...")
                 extra=TrajectoryInfo.split({k: v for k, v in self.rollout_infos.items() if k != "num_turns"}),
             ),
         )

@@ -75,7 +75,11 @@ class ToolEnvironment(Environment):
     """Runs `tools` for the policy seat `policy`; hands other replies to `inner`.
 
     `inner=None` makes a tools-only lineup: a reply without tool calls ends the conversation.
+    A turn that raises (its tools' machinery or the environment it wraps) fails its
+    conversation with the cause "tool".
     """
+
+    kind = "tool"
 
     def __init__(
         self,

@@ -505,6 +505,35 @@ SECTIONS: list[tuple[str, list[Refusal]]] = [
             ),
         ],
     ),
+    (
+        "Failed samples",
+        [
+            Refusal(
+                "an unknown --on-sample-error",
+                ("--on-sample-error", "ignore"),
+                "--on-sample-error: invalid choice: 'ignore' (choose from 'skip', 'raise')",
+            ),
+            Refusal(
+                "a --max-failed-fraction that is no share",
+                ("--max-failed-fraction", "2"),
+                "--max-failed-fraction must be in [0, 1], got 2.0",
+            ),
+            Refusal(
+                "a step whose samples mostly failed (a scheduler raising for every sample)",
+                (
+                    "--multi-turn-scheduler",
+                    "plugin:Always",
+                    "--external-plugins",
+                    "plugin.py",
+                    "--dataset",
+                    "q.jsonl",
+                ),
+                "16 of 16 samples failed at step 0 (scheduler: KeyError: 'solution' in conversation …); "
+                "--max-failed-fraction 0.5; --on-sample-error raise stops the run at the first one instead",
+                tested_by="tests/e2e/test_train_failures.py::test_every_sample_failing_ends_the_run_at_its_first_step",
+            ),
+        ],
+    ),
 ]
 
 HEADER = """# Bad input

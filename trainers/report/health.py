@@ -72,12 +72,21 @@ def _no_tools(v: float, _: int) -> str:
     )
 
 
+def _failed(v: float, _: int) -> str:
+    return (
+        f"{v:.0f} samples of the step failed (failed_samples): a scheduler, environment or tool raised "
+        "for them, and they leave the loss; metrics.jsonl counts them per cause (failed/<cause>), "
+        "completions.jsonl shows their stop_reason; --on-sample-error raise stops at the first one"
+    )
+
+
 RULES = (
     Rule(name="zero_std_groups", key="frac_reward_zero_std", threshold=0.9, message=_zero_std),
     Rule(name="truncated", key="truncated_fraction", threshold=0.5, message=_truncated),
     Rule(name="invalid_moves", key="invalid/ended_fraction", threshold=0.5, message=_invalid),
     Rule(name="clipped_replies", key="completions/clipped_ratio", threshold=0.9, message=_clipped),
     Rule(name="no_tool_calls", key="tool/calls_per_sample", threshold=0.0, below=True, message=_no_tools),
+    Rule(name="failed_samples", key="failed_samples", threshold=1, message=_failed),
 )
 
 

@@ -37,6 +37,7 @@ from ... import (
 from ...chat import Tokenizer
 from ...engines.base import Engine
 from ...rollout.limits import StepTimeout, await_limited, check_time_limit, maybe_await
+from ...rollout.outcome import OnSampleError
 from ...rollout.rollouter import Sample, expand_rows
 from ...rollout.vote import GatherFn, cast_vote, local_gather
 from .bridge import RequestState, SwiftBridge, add_note
@@ -210,6 +211,7 @@ def run(
     rank: int = 0,
     step_timeout_s: float | None = None,
     train_turns: TrainTurns = "all",
+    on_sample_error: OnSampleError = "raise",
 ) -> list[SwiftOutput]:
     """Roll out this rank's rows with an ms-swift scheduler; one output per request, in order.
 
@@ -218,13 +220,17 @@ def run(
     "last_round" trains only each request's last turn (ms-swift's `--loss_scale last_round`).
     `step_timeout_s` limits `on_trajectory_start` and each hook and step call, as in
     `run_multi_turn`. Hooks run under `asyncio.run`: call this from synchronous code.
+    `on_sample_error` "skip": a hook or step that raises for one request ends that request
+    FAILED (`status`, and its trajectory's `infos.stop_reason` "scheduler: <ExcType>: <text>")
+    and the others carry on; "raise" (default) fails the rollout as described above.
+    `on_trajectory_start` and `on_trajectory_end` see every request: their failures always do.
     """
     _check(scheduler, train_turns, step_timeout_s)
     states = build_requests(rows, num_generations=num_generations, rank=rank, seed=seed)
     return run_requests(
         states, scheduler, engine, tokenizer, sampling,
         max_turns=max_turns, seed=seed, gather_fn=gather_fn, rank=rank,
-        step_timeout_s=step_timeout_s, train_turns=train_turns,
+        step_timeout_s=step_timeout_s, train_turns=train_turns, on_sample_error=on_sample_error,
     )  # fmt: skip
 
 
@@ -251,6 +257,7 @@ def run_requests(
     rank: int = 0,
     step_timeout_s: float | None = None,
     train_turns: TrainTurns = "all",
+    on_sample_error: OnSampleError = "raise",
 ) -> list[SwiftOutput]:
     """`run` over requests already built (`build_requests`, `sample_requests`)."""
     _check(scheduler, train_turns, step_timeout_s)
@@ -272,7 +279,7 @@ def run_requests(
         try:
             outputs = run_multi_turn(
                 first_requests, first, bridge, rollout_fn, sampling, None, gather_fn,
-                rank=rank, step_timeout_s=step_timeout_s,
+                rank=rank, step_timeout_s=step_timeout_s, on_sample_error=on_sample_error,
             )  # fmt: skip
         except MultiTurnError as exc:
             failure, error = exc, exc.__cause__
@@ -338,6 +345,7 @@ def rollout_trajectories(
     reward_key: str = "reward",
     max_turns: int | None = None,
     train_turns: TrainTurns = "all",
+    on_sample_error: OnSampleError = "raise",
 ) -> list[Trajectory]:
     """The trainer's call: `run`, then one trajectory per request with `infos.env_reward`.
 
@@ -358,6 +366,7 @@ def rollout_trajectories(
         rank=rank,
         step_timeout_s=step_timeout_s,
         train_turns=train_turns,
+        on_sample_error=on_sample_error,
     )
     return [
         out.to_trajectory(group=out.native.request.data["group"], reward_key=reward_key) for out in outputs

@@ -134,6 +134,7 @@ class SwiftTaskSource(TaskSource):
             rank=plan.rank,  # request indices and seeds are unique across every rank of the world
             step_timeout_s=plan.step_timeout_s,
             train_turns=self.train_turns,
+            on_sample_error=plan.on_sample_error,
         )
         trajectories = [
             out.to_trajectory(group=s.group, reward_key=self.reward_key)

@@ -49,6 +49,7 @@ def test_a_condition_that_clears_starts_over_and_warns_again():
             ["cuts 90% of replies", "--max-new-tokens"],
         ),
         ("tool/calls_per_sample", 0.0, 0.25, "no_tool_calls", ["calls no tool", "--tools"]),
+        ("failed_samples", 2, 0, "failed_samples", ["2 samples of the step failed", "--on-sample-error"]),
     ],
 )
 def test_each_rule_its_threshold_and_its_cause(key, bad, good, rule, names):
@@ -70,6 +71,7 @@ def test_a_figure_the_step_does_not_have_never_warns():
         "health/invalid_moves",
         "health/clipped_replies",
         "health/no_tool_calls",
+        "health/failed_samples",
     }
     assert not any(out[0][0].values())
 
