@@ -15,7 +15,8 @@ scheduler with ms-swift's meaning, and answers the driver in token space:
   (transcript.py); step logprobs that are empty or None fall back to the engine's.
 
 A step that rewrites history the engine already saw (`HistoryRewriteError`: ms-swift's
-MathTipsScheduler does on an empty reply) fails only its own request: the request is marked
+MathTipsScheduler does on an empty reply) fails only its own request under
+`on_sample_error="skip"` (the trainer's default; "raise" raises it): the request is marked
 failed (`RequestState.failed`, `"scheduler: HistoryRewriteError: ..."`), takes no more of the
 scheduler's hooks and finishes at the next round; the compat driver gives it status FAILED.
 """
@@ -32,6 +33,7 @@ from typing import Any, TypeVar
 from ... import ChatFormat, MultiTurnRequest, ResponseChoice
 from ... import MultiTurnScheduler as NativeScheduler
 from ...rollout.limits import maybe_await
+from ...rollout.outcome import OnSampleError
 from ...types import validate_tokens
 from .scheduler import MultiTurnScheduler
 from .transcript import (
@@ -129,10 +131,16 @@ class SwiftBridge(NativeScheduler):
     chat: ChatFormat  # always given (a native scheduler's may be None)
 
     def __init__(
-        self, scheduler: MultiTurnScheduler, chat: ChatFormat, states: list[RequestState], cap: int | None
+        self,
+        scheduler: MultiTurnScheduler,
+        chat: ChatFormat,
+        states: list[RequestState],
+        cap: int | None,
+        *,
+        on_sample_error: OnSampleError = "raise",
     ):
         super().__init__(chat, cap)
-        self.user, self.cap = scheduler, cap
+        self.user, self.cap, self.on_sample_error = scheduler, cap, on_sample_error
         self.states = {s.index: s for s in states}
         self.user_errors: list[BaseException] = []  # raised by the scheduler's own code
         self._hooked: dict[int, list[int]] = {}  # turn -> indices whose on_turn_end returned
@@ -235,6 +243,8 @@ class SwiftBridge(NativeScheduler):
         try:
             extra = extension(self.chat, st.snapshot, nxt.messages, ids, ids_given=given, where=where)
         except HistoryRewriteError as exc:
+            if self.on_sample_error == "raise":
+                raise
             return self._fail_request(st, request, response_choice, exc)
         st.request = nxt
         native = dataclasses.replace(

@@ -264,7 +264,7 @@ def run_requests(
     cap = _cap(scheduler.max_turns if max_turns is None else max_turns)
     chat = ChatFormat(tokenizer)
     scheduler.bind(engine, tokenizer)
-    bridge = SwiftBridge(scheduler, chat, states, cap)
+    bridge = SwiftBridge(scheduler, chat, states, cap, on_sample_error=on_sample_error)
     error: BaseException | None  # the first failure on this rank, kept for the notes
     first_requests, error = _open(scheduler, states, chat, bridge, step_timeout_s)
     failure = _agreed(gather_fn, rank, error)

@@ -23,6 +23,7 @@ from typing import Any, get_args
 from ... import SamplingParams, Trajectory
 from ...chat import Tokenizer
 from ...engines.base import Engine
+from ...rollout.outcome import OnSampleError
 from ...rollout.rollouter import Rollout, Rollouter, RolloutPlan
 from ...rollout.vote import GatherFn, local_gather
 from ...tasks.base import TaskSource
@@ -154,8 +155,12 @@ class SwiftTaskSource(TaskSource):
         gather_fn: GatherFn = local_gather,
         rank: int = 0,
         step_timeout_s: float | None = None,
+        on_sample_error: OnSampleError = "raise",
     ) -> list[Trajectory]:
-        """This rank's trajectories for `rows` (collective), `infos["env_reward"]` from `reward_key`."""
+        """This rank's trajectories for `rows` (collective), `infos["env_reward"]` from `reward_key`.
+
+        `on_sample_error="skip"` ends a request whose hook or step raises FAILED, alone (as training does).
+        """
         return rollout_trajectories(
             self._scheduler,
             rows,
@@ -170,4 +175,5 @@ class SwiftTaskSource(TaskSource):
             reward_key=self.reward_key,
             max_turns=self.max_turns,
             train_turns=self.train_turns,
+            on_sample_error=on_sample_error,
         )

@@ -307,7 +307,12 @@ def test_rewriting_history_fails_only_that_request(tokenizer):
             return super().step(infer_request, response_choice, current_turn)
 
     engine = ScriptedEngine(tokenizer, lambda i, t: "hello")
-    bad, good = run(user_rows(2), Rewriter(max_turns=3), engine, tokenizer, SAMPLING, seed=5)
+    with pytest.raises(MultiTurnValueError, match="HistoryRewriteError: request 5-0"):  # the default
+        run(user_rows(2), Rewriter(max_turns=3), engine, tokenizer, SAMPLING, seed=5)
+    engine = ScriptedEngine(tokenizer, lambda i, t: "hello")
+    bad, good = run(
+        user_rows(2), Rewriter(max_turns=3), engine, tokenizer, SAMPLING, seed=5, on_sample_error="skip"
+    )
     assert good.status is Status.STOPPED and good.num_turns == 3
     assert_engine_view(good.to_trajectory(), engine.view(1))
     assert bad.status is Status.FAILED

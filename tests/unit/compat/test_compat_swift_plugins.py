@@ -227,7 +227,7 @@ def test_an_empty_reply_that_rewrites_the_question_fails_only_its_request(tmp_pa
 
     engine = EmptyForFirst(tokenizer, "7")
     bad, good = task.rollout(rows, num_generations=1, engine=engine, tokenizer=tokenizer,
-                             sampling=SAMPLING, seed=0)  # fmt: skip
+                             sampling=SAMPLING, seed=0, on_sample_error="skip")  # fmt: skip
     assert good.status is Status.STOPPED and good.infos.turns == 2
     assert bad.status is Status.FAILED and sum(bad.loss_mask) == 0
     assert bad.infos.stop_reason.startswith("scheduler: HistoryRewriteError: ")
