@@ -44,7 +44,9 @@ class MathAccuracy(Accuracy):
     def __init__(self, args: Any = None, **kwargs: Any):
         super().__init__()
 
-    def __call__(self, completions: Sequence[str], solution: Sequence[object], **kwargs: Any) -> list[float]:
+    def __call__(  # type: ignore[override]  # ms-swift's: `solution` is required, the result never None
+        self, completions: Sequence[str], solution: Sequence[object], **kwargs: Any
+    ) -> list[float]:
         if len(completions) != len(solution):
             raise ValueError(f"MathAccuracy: {len(completions)} completions for {len(solution)} solutions")
         return [self.one(c, s) for c, s in zip(completions, solution, strict=True)]
