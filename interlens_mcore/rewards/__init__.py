@@ -1,0 +1,1 @@
+"""Reward functions beyond the task's own: scored by models (`model`, `judge`)."""

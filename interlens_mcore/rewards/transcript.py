@@ -1,0 +1,37 @@
+"""What a model-based reward reads of a trajectory: its messages, its prompt, the row's columns.
+
+- `chat_messages(t)`: the transcript as `{"role", "content"}` dicts (what a chat template takes);
+- `prompt_text(t)`: the contents of the messages before the seat's last one, a line apart;
+- `row_columns(row)`: a dataset row's columns (a mapping's items, a dataclass's fields).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from ..types import Trajectory
+
+
+def chat_messages(t: Trajectory) -> list[dict[str, str]]:
+    """The transcript as the seat saw it, as `{"role", "content"}` dicts."""
+    return [
+        {"role": str(m.get("role", "user")), "content": str(m.get("content", ""))} for m in t.infos.messages
+    ]
+
+
+def prompt_text(t: Trajectory) -> str:
+    """The contents of the messages before the last one (the seat's completion), a line apart."""
+    messages = chat_messages(t)
+    if messages and messages[-1]["content"] == t.infos.completion:
+        messages = messages[:-1]
+    return "\n".join(m["content"] for m in messages)
+
+
+def row_columns(row: object) -> dict[str, object]:
+    """A row's columns by name: a mapping's items or a dataclass's fields; {} for anything else."""
+    if isinstance(row, Mapping):
+        return {str(k): v for k, v in row.items()}
+    if dataclasses.is_dataclass(row) and not isinstance(row, type):
+        return {f.name: getattr(row, f.name) for f in dataclasses.fields(row)}
+    return {}
