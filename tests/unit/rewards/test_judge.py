@@ -1,0 +1,107 @@
+"""--judge-model / --judge-template: the template, the parsing rule, and a real judge engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from interlens_mcore.rewards.judge import Judge, JudgeTemplateError, Template, parse_score
+from interlens_mcore.rewards.model import RewardModelError
+from interlens_mcore.rollout.vote import RolloutValueError
+from interlens_mcore.types import Status, Trajectory, TrajectoryInfo
+
+TEMPLATE = "Question: {prompt}\nAnswer: {completion}\nReference: {solution}\nscore:"
+
+
+def trajectory(question: str, answer: str, status: Status = Status.STOPPED) -> Trajectory:
+    messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    info = TrajectoryInfo(conversation=question, completion=answer, messages=messages)
+    return Trajectory(token_ids=[1, 2], loss_mask=[0, 1], rollout_logprobs=None, status=status, infos=info)
+
+
+def template(tmp_path, text: str = TEMPLATE) -> Template:
+    path = tmp_path / "judge.txt"
+    path.write_text(text)
+    return Template.read(path)
+
+
+@pytest.mark.parametrize(
+    ("reply", "score"),
+    [
+        ("score: 0.8", 0.8),
+        ("The answer is 3 of 4. Score = 1", 1.0),
+        ("SCORE: .25 and later 7", 0.25),  # a score line wins over a later number
+        ("I think 0 then 0.5", 0.5),  # no score line: the last number
+        ("score: 7", None),  # outside [0, 1]
+        ("no number here", None),
+        ("", None),
+    ],
+)
+def test_parse_score(reply, score):
+    assert parse_score(reply) == score
+
+
+def test_template_fills_prompt_completion_and_row_columns(tmp_path):
+    t = template(tmp_path)
+    assert t.keys == ("prompt", "completion", "solution")
+    filled = t.fill({"prompt": "1+1?", "completion": "2", "solution": "2", "other": 5}, "row 0")
+    assert filled == "Question: 1+1?\nAnswer: 2\nReference: 2\nscore:"
+
+
+def test_a_missing_key_names_the_file_and_the_key(tmp_path):
+    t = template(tmp_path)
+    missing = r"judge\.txt: placeholder \{solution\} is not filled"
+    with pytest.raises(JudgeTemplateError, match=missing) as err:
+        t.fill({"prompt": "q", "completion": "c"}, "trajectory 3")
+    assert str(tmp_path / "judge.txt") in str(err.value) and "trajectory 3" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("Answer: {completion} {", "Single '{' encountered"),
+        ("Answer: {completion} {0}", r"placeholder \{0\} is not a name"),
+        ("Answer: {completion.upper}", r"placeholder \{completion.upper\} is not a name"),
+        ("Question: {prompt}", r"no \{completion\} placeholder"),
+    ],
+)
+def test_bad_templates_are_refused(tmp_path, text, message):
+    with pytest.raises(JudgeTemplateError, match=message):
+        template(tmp_path, text)
+
+
+def test_literal_braces_are_doubled(tmp_path):
+    t = template(tmp_path, 'Reply as {{"score": X}}. Answer: {completion}')
+    assert t.fill({"completion": "c"}, "row") == 'Reply as {"score": X}. Answer: c'
+
+
+def test_judge_scores_with_a_real_engine(tiny_path, tmp_path):
+    judge = Judge(tiny_path, template(tmp_path), max_new_tokens=4)
+    trajs = [trajectory("1+1?", "2"), trajectory("2+2?", "4"), trajectory("x", "y", Status.FAILED)]
+    rows = [{"solution": "2"}, {"solution": "4"}, {"solution": "?"}]
+    scores = judge(trajs, rows)
+    assert len(scores) == 3 and scores[2] == 0.0 and all(0.0 <= s <= 1.0 for s in scores)
+    for t, s in zip(trajs[:2], scores):
+        reply = t.infos.extra["judge_reply"]
+        assert isinstance(reply, str)
+        assert t.infos.extra["judge_unparsed"] == int(parse_score(reply) is None)
+        assert s == (parse_score(reply) or 0.0)
+    assert "judge_reply" not in trajs[2].infos.extra  # a FAILED sample is not judged
+    assert not judge.engine().model.training  # type: ignore[attr-defined]
+    # greedy: the same trajectories get the same replies
+    again = [trajectory("1+1?", "2"), trajectory("2+2?", "4")]
+    judge(again, rows[:2])
+    assert [t.infos.extra["judge_reply"] for t in again] == [t.infos.extra["judge_reply"] for t in trajs[:2]]
+
+
+def test_judge_row_without_a_placeholder_column_fails_through_the_vote(tiny_path, tmp_path):
+    judge = Judge(tiny_path, template(tmp_path), max_new_tokens=2)
+    missing = r"JudgeTemplateError: .*placeholder \{solution\} is not filled"
+    with pytest.raises(RolloutValueError, match=missing):
+        judge([trajectory("q", "a")], [{"answer": "a"}])
+
+
+def test_judge_folder_must_be_a_causal_lm(tmp_path):
+    from interlens_mcore.assets import ensure_tiny_classifier
+
+    with pytest.raises(RewardModelError, match="--judge-model .*not a causal LM"):
+        Judge(ensure_tiny_classifier(), template(tmp_path))
