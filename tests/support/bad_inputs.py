@@ -11,6 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+CAUSAL_LM = '{"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}'
+CLASSIFIER = (
+    '{"architectures": ["Qwen2ForSequenceClassification"], "model_type": "qwen2", "id2label": {"0": "s"}}'
+)
 FACTORY = "def make():\n    raise RuntimeError('boom')\n\n\ndef not_a_task():\n    return 5\n"
 
 
@@ -451,6 +455,63 @@ SECTIONS: list[tuple[str, list[Refusal]]] = [
                 "checkpoints this version wrote, or train into a new --output-dir (a checkpoint's weights "
                 "load as --model)",
                 tested_by="tests/e2e/test_checkpoint_safety.py::test_resume_refuses_a_checkpoint_carrying_a_payload",
+            ),
+        ],
+    ),
+    (
+        "Reward models and judges",
+        [
+            Refusal(
+                "--reward-model: no such folder",
+                ("--reward-model", "{tmp}/rm"),
+                "--reward-model {tmp}/rm: not a model folder (no config.json)",
+            ),
+            Refusal(
+                "--reward-model: a causal LM, not a sequence classifier",
+                ("--reward-model", "{tmp}/rm"),
+                "--reward-model {tmp}/rm: not a sequence classifier (config.json architectures: "
+                "['Qwen2ForCausalLM']); expected a ...ForSequenceClassification folder, as "
+                "AutoModelForSequenceClassification saves it",
+                files=(("rm/config.json", CAUSAL_LM), ("rm/model.safetensors", "(weights)")),
+            ),
+            Refusal(
+                "--reward-model: weights not in safetensors",
+                ("--reward-model", "{tmp}/rm"),
+                "--reward-model {tmp}/rm: no safetensors weights (*.safetensors); weights are read from "
+                "safetensors only, never unpickled: save the model with save_pretrained(folder) "
+                "(safe_serialization is the default)",
+                files=(("rm/config.json", CLASSIFIER), ("rm/pytorch_model.bin", "(a pickle)")),
+            ),
+            Refusal(
+                "--reward-model-label past the labels",
+                ("--reward-model", "{tmp}/rm", "--reward-model-label", "2"),
+                "--reward-model-label 2: the classifier in {tmp}/rm has 1 labels (expected an index in "
+                "[-1, 0]; -1: the last)",
+                files=(("rm/config.json", CLASSIFIER), ("rm/model.safetensors", "(weights)")),
+            ),
+            Refusal(
+                "--judge-model without --judge-template",
+                ("--judge-model", "{tmp}/judge"),
+                "--judge-model needs --judge-template (the judge's folder and its prompt file go together)",
+            ),
+            Refusal(
+                "--judge-template without {completion}",
+                ("--judge-model", "{tmp}/judge", "--judge-template", "{tmp}/judge.txt"),
+                "--judge-template {tmp}/judge.txt: no {completion} placeholder; the judge would not see "
+                "what it scores",
+                files=(("judge.txt", "Is {prompt} answered? score:"),),
+            ),
+            Refusal(
+                "--judge-model: a sequence classifier",
+                ("--judge-model", "{tmp}/rm", "--judge-template", "{tmp}/judge.txt"),
+                "--judge-model {tmp}/rm: not a causal LM (config.json architectures: "
+                "['Qwen2ForSequenceClassification']); the judge generates its verdict, so it needs a "
+                "...ForCausalLM folder",
+                files=(
+                    ("rm/config.json", CLASSIFIER),
+                    ("rm/model.safetensors", "(weights)"),
+                    ("judge.txt", "{completion} score:"),
+                ),
             ),
         ],
     ),
