@@ -21,11 +21,15 @@ def chat_messages(t: Trajectory) -> list[dict[str, str]]:
 
 
 def prompt_text(t: Trajectory) -> str:
-    """The contents of the messages before the last one (the seat's completion), a line apart."""
+    """The contents of the messages before the seat's last one (its completion), a line apart.
+
+    The seat's last message is the last assistant message holding the completion: in a
+    multi-turn game an environment's reply may follow it, and is not part of the prompt.
+    """
     messages = chat_messages(t)
-    if messages and messages[-1]["content"] == t.infos.completion:
-        messages = messages[:-1]
-    return "\n".join(m["content"] for m in messages)
+    seat = {"role": "assistant", "content": t.infos.completion}
+    last = [i for i, m in enumerate(messages) if m == seat]
+    return "\n".join(m["content"] for m in (messages[: last[-1]] if last else messages))
 
 
 def row_columns(row: object) -> dict[str, object]:

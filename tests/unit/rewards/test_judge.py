@@ -105,3 +105,23 @@ def test_judge_folder_must_be_a_causal_lm(tmp_path):
 
     with pytest.raises(RewardModelError, match="--judge-model .*not a causal LM"):
         Judge(ensure_tiny_classifier(), template(tmp_path))
+
+
+def test_prompt_is_the_transcript_before_the_seats_last_message():
+    from interlens_mcore.rewards.transcript import prompt_text
+
+    messages = [
+        {"role": "system", "content": "play"},
+        {"role": "user", "content": "guess"},
+        {"role": "assistant", "content": "50"},
+        {"role": "user", "content": "higher"},
+        {"role": "assistant", "content": "75"},
+        {"role": "user", "content": "correct"},  # the environment's last word follows the completion
+    ]
+    t = Trajectory(
+        token_ids=[1],
+        loss_mask=[1],
+        rollout_logprobs=None,
+        infos=TrajectoryInfo(completion="75", messages=messages),
+    )
+    assert prompt_text(t) == "play\nguess\n50\nhigher"
