@@ -125,3 +125,35 @@ def test_prompt_is_the_transcript_before_the_seats_last_message():
         infos=TrajectoryInfo(completion="75", messages=messages),
     )
     assert prompt_text(t) == "play\nguess\n50\nhigher"
+
+
+class ScriptedJudge:
+    """A judge engine with set replies (the engine is not what this test is about), recording prompts."""
+
+    name, max_context = "judge", 4096
+
+    def __init__(self, tokenizer, replies):
+        self.tokenizer, self.replies, self.prompts = tokenizer, dict(replies), []
+
+    def generate(self, requests):
+        from interlens_mcore.engines.base import Generation
+
+        out = []
+        for r in requests:
+            self.prompts.append(self.tokenizer.decode(r.prompt_ids))
+            assert r.temperature == 0.0 and r.max_new_tokens == 16  # greedy, --judge-max-new-tokens
+            ids = self.tokenizer.encode(self.replies[r.tag], add_special_tokens=False)
+            out.append(Generation(token_ids=ids, logprobs=[0.0] * len(ids), finish_reason="stop"))
+        return out
+
+
+def test_parsed_replies_are_the_scores(tiny, tiny_path, tmp_path):
+    _, tok = tiny
+    judge = Judge(tiny_path, template(tmp_path))
+    judge._engine = engine = ScriptedJudge(tok, {"1+1?": "score: 0.75", "2+2?": "hmm wrong"})
+    trajs = [trajectory("1+1?", "2"), trajectory("2+2?", "5")]
+    assert judge(trajs, [{"solution": "2"}, {"solution": "4"}]) == [0.75, 0.0]
+    assert [t.infos.extra["judge_unparsed"] for t in trajs] == [0, 1]
+    # the filled template reached the judge as a user message of its chat template
+    assert "<|im_start|>user\nQuestion: 1+1?\nAnswer: 2\nReference: 2\nscore:<|im_end|>" in engine.prompts[0]
+    assert engine.prompts[0].endswith("<|im_start|>assistant\n")
