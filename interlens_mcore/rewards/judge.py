@@ -32,7 +32,7 @@ from ..engines.base import Engine, Generation, GenerationRequest, SamplingParams
 from ..rollout.round import Call, Driver, Need, generate_waves, run_rounds
 from ..rollout.vote import GatherFn, local_gather
 from ..types import Status, Trajectory
-from .model import RewardModelError, check_weights, frozen
+from .model import RewardModelError, check_weights, fail, frozen
 from .transcript import prompt_text, row_columns
 
 NAME = "judge"
@@ -168,13 +168,18 @@ class Judge:
             return None
         where = f"trajectory {i} ({t.infos.conversation or '?'}, seat {t.participant!r})"
         values = {**row_columns(row), "prompt": prompt_text(t), "completion": t.infos.completion}
-        ids = self.prompt_ids(self.template.fill(values, where))
-        engine = self.engine()
+        prompt = self.template.fill(values, where)  # a key the rows lack: every sample's error, raised
+        engine = self.engine()  # loading it is not one sample's failure: outside the try
+        try:  # a text the judge's chat template refuses fails only its own sample
+            ids = self.prompt_ids(prompt)
+        except Exception as exc:
+            fail(t, f"judge: {type(exc).__name__}: {exc}")
+            return None
         if len(ids) >= engine.max_context:
-            t.status = Status.FAILED
-            t.infos.stop_reason = (
+            fail(
+                t,
                 f"judge: the filled template is {len(ids)} tokens, the judge's context "
-                f"{engine.max_context} ({self.template.path})"
+                f"{engine.max_context} ({self.template.path})",
             )
             return None
         tok = self.tokenizer

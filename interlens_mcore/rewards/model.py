@@ -9,7 +9,8 @@ the logit `label` of the classifier's output (num_labels=1: the only one; defaul
 Scoring runs on this rank, frozen (eval mode, no gradient), in batches of `batch_size`
 right-padded rows: the classifier pools the last non-pad token, so a batch scores each row as
 it scores alone. The weights load once, on the first call. A FAILED trajectory scores 0; one
-longer than the model's context is marked FAILED (`"reward reward_model: ..."`) and scores 0.
+longer than the model's context, or whose messages the chat template refuses, is marked FAILED
+(`"reward reward_model: ..."`) and scores 0.
 """
 
 from __future__ import annotations
@@ -113,6 +114,12 @@ def load(path: Path) -> Loaded:
     return Loaded(model, tokenizer, int(pad), device, int(context))
 
 
+def fail(t: Trajectory, cause: str) -> None:
+    """Mark `t` FAILED with `cause` (what failed first, then why): it scores 0 and leaves the loss."""
+    t.status = Status.FAILED
+    t.infos.stop_reason = cause
+
+
 @dataclass
 class RewardModel:
     """The `reward_model` reward function: `fn(trajectories, rows)` -> the classifier's scores."""
@@ -149,12 +156,17 @@ class RewardModel:
         for i, t in enumerate(trajectories):
             if t.status is Status.FAILED:
                 continue
-            ids = self.input_ids(t)
-            if len(ids) > self.loaded.max_length:
-                t.status = Status.FAILED
-                t.infos.stop_reason = (
+            loaded = self.loaded  # loading the model is not one sample's failure: outside the try
+            try:  # a transcript the chat template refuses (a role it does not know) fails only itself
+                ids = self.input_ids(t)
+            except Exception as exc:
+                fail(t, f"reward {self.name}: {type(exc).__name__}: {exc}")
+                continue
+            if len(ids) > loaded.max_length:
+                fail(
+                    t,
                     f"reward {self.name}: {len(ids)} tokens do not fit the reward model's context "
-                    f"of {self.loaded.max_length} ({self.path})"
+                    f"of {loaded.max_length} ({self.path})",
                 )
                 continue
             todo.append((i, ids))

@@ -110,3 +110,19 @@ def test_a_folder_without_safetensors_is_refused(classifier, tmp_path):
 def test_label_out_of_range_is_refused(classifier):
     with pytest.raises(RewardModelError, match="--reward-model-label 1: .* 1 labels"):
         RewardModel(classifier, label=1)
+
+
+def test_a_transcript_the_chat_template_refuses_fails_only_itself(classifier, tmp_path):
+    strict = tmp_path / "strict"
+    shutil.copytree(classifier, strict)
+    template = (strict / "chat_template.jinja").read_text()
+    guard = "{% for m in messages %}{% if m['role'] == 'tool' %}"
+    guard += "{{ raise_exception('no tool role') }}{% endif %}{% endfor %}"
+    (strict / "chat_template.jinja").write_text(guard + template)
+    odd = trajectory("add", "3")
+    odd.infos.messages.insert(1, {"role": "tool", "content": "1 + 2 = 3"})
+    ok = trajectory("add", "3")
+    scores = RewardModel(strict)([odd, ok], [None, None])
+    assert odd.status is Status.FAILED and scores[0] == 0.0
+    assert odd.infos.stop_reason.startswith("reward reward_model: TemplateError: no tool role")
+    assert ok.status is Status.STOPPED and scores[1] == RewardModel(classifier)([ok], [None])[0]
