@@ -24,9 +24,11 @@ import asyncio
 import math
 import re
 import string
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from ..engines.base import Engine, Generation, GenerationRequest, SamplingParams
 from ..rollout.round import Call, Driver, Need, generate_waves, run_rounds
@@ -35,6 +37,7 @@ from ..types import Status, Trajectory
 from .model import RewardModelError, check_weights, fail, frozen
 from .transcript import prompt_text, row_columns
 
+T = TypeVar("T")
 NAME = "judge"
 OURS = ("prompt", "completion")
 SCORE = re.compile(r"score\s*[:=]\s*([-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?)", re.IGNORECASE)
@@ -159,7 +162,7 @@ class Judge:
         except Exception as exc:  # voted on: every rank raises it alike
             error, judged, requests = exc, [], []
         driver = _Round(self.engine, requests)
-        asyncio.run(run_rounds(driver, gather_fn=self.gather_fn, rank=self.rank, bound=1, error=error))
+        run_blocking(run_rounds(driver, gather_fn=self.gather_fn, rank=self.rank, bound=1, error=error))
         return self.scores(trajectories, judged, driver.out)
 
     def request(self, t: Trajectory, row: object, i: int) -> GenerationRequest | None:
@@ -211,6 +214,17 @@ class Judge:
             extra["judge_reply"], extra["judge_unparsed"] = reply, int(value is None)
             scores[i] = 0.0 if value is None else value
         return scores
+
+
+def run_blocking(coroutine: Coroutine[object, object, T]) -> T:
+    """Run `coroutine` to its end from synchronous code, also when called inside a running event
+    loop (a caller that awaits async reward functions): then in a thread of its own."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
 
 
 def load_engine(path: Path) -> Engine:

@@ -157,3 +157,16 @@ def test_parsed_replies_are_the_scores(tiny, tiny_path, tmp_path):
     # the filled template reached the judge as a user message of its chat template
     assert "<|im_start|>user\nQuestion: 1+1?\nAnswer: 2\nReference: 2\nscore:<|im_end|>" in engine.prompts[0]
     assert engine.prompts[0].endswith("<|im_start|>assistant\n")
+
+
+def test_judge_called_inside_a_running_event_loop(tiny, tiny_path, tmp_path):
+    import asyncio
+
+    _, tok = tiny
+    judge = Judge(tiny_path, template(tmp_path))
+    judge._engine = ScriptedJudge(tok, {"1+1?": "score: 1"})
+
+    async def caller():  # e.g. a trainer that awaits async reward functions beside this one
+        return judge([trajectory("1+1?", "2")], [{"solution": "2"}])
+
+    assert asyncio.run(caller()) == [1.0]
