@@ -28,11 +28,12 @@ from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import ClassVar, TypeVar
 
 from ..engines.base import Engine, Generation, GenerationRequest, SamplingParams
+from ..grpo.rewards import RewardError
 from ..rollout.round import Call, Driver, Need, generate_waves, run_rounds
-from ..rollout.vote import GatherFn, local_gather
+from ..rollout.vote import GatherFn, RolloutError, local_gather
 from ..types import Status, Trajectory
 from .model import RewardModelError, check_weights, fail, frozen
 from .transcript import prompt_text, row_columns
@@ -46,6 +47,14 @@ NUMBER = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?")
 
 class JudgeTemplateError(ValueError):
     """A --judge-template file that cannot be read or filled."""
+
+
+class JudgeError(RewardError):
+    """The judge's round failed on some rank: the same error on every rank of the rollout group.
+
+    A `RewardError`, so a caller that retries a raising reward function sample by sample does
+    not retry this one: a retry would run a different number of rounds on each rank.
+    """
 
 
 def parse_score(reply: str) -> float | None:
@@ -132,6 +141,9 @@ class Judge:
     rank: int = 0
     name: str = NAME
     _engine: Engine | None = field(default=None, init=False, repr=False)
+    # every rank of the rollout group must call it as often, even one without live samples
+    # (with empty lists), and never retry it sample by sample: its round is collective
+    collective: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         self.path = Path(self.path)
@@ -162,7 +174,10 @@ class Judge:
         except Exception as exc:  # voted on: every rank raises it alike
             error, judged, requests = exc, [], []
         driver = _Round(self.engine, requests)
-        run_blocking(run_rounds(driver, gather_fn=self.gather_fn, rank=self.rank, bound=1, error=error))
+        try:
+            run_blocking(run_rounds(driver, gather_fn=self.gather_fn, rank=self.rank, bound=1, error=error))
+        except RolloutError as exc:
+            raise JudgeError(f"judge: {exc}") from exc
         return self.scores(trajectories, judged, driver.out)
 
     def request(self, t: Trajectory, row: object, i: int) -> GenerationRequest | None:

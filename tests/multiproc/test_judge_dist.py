@@ -20,33 +20,40 @@ class Counting:
         return self.engine.generate(requests)
 
 
-def _judge_on_rank(rank, world, tiny_path, template_path, counts, rows_by_rank):
-    from interlens_mcore import distributed
-    from interlens_mcore.rewards.judge import Judge, Template, load_engine
-    from interlens_mcore.rollout.vote import RolloutError
+def _samples(rank, n, status):
     from interlens_mcore.types import Trajectory, TrajectoryInfo
 
-    groups = distributed.build_groups(rollout="world", vote_timeout_s=60)
-    judge = Judge(tiny_path, Template.read(template_path), max_new_tokens=3, **_vote(groups))
-    judge._engine = spy = Counting(load_engine(judge.path))
-    trajs = [
+    return [
         Trajectory(
             token_ids=[1, 2],
             loss_mask=[0, 1],
             rollout_logprobs=None,
+            status=status,
             infos=TrajectoryInfo(
                 conversation=f"r{rank}-{i}",
                 completion=str(i),
+                env_reward=0.0,
                 messages=[{"role": "user", "content": f"{i} + 1?"}, {"role": "assistant", "content": str(i)}],
             ),
         )
-        for i in range(counts[rank])
+        for i in range(n)
     ]
+
+
+def _judge_on_rank(rank, world, tiny_path, template_path, counts, rows_by_rank):
+    from interlens_mcore import distributed
+    from interlens_mcore.rewards.judge import Judge, JudgeError, Template, load_engine
+    from interlens_mcore.types import Status
+
+    groups = distributed.build_groups(rollout="world", vote_timeout_s=60)
+    judge = Judge(tiny_path, Template.read(template_path), max_new_tokens=3, **_vote(groups))
+    judge._engine = spy = Counting(load_engine(judge.path))
+    trajs = _samples(rank, counts[rank], Status.STOPPED)
     out = []
     for rows in rows_by_rank[rank]:  # one scoring per entry: every rank scores as often
         try:
             out.append(("ok", judge(trajs, rows[: len(trajs)])))
-        except RolloutError as exc:
+        except JudgeError as exc:
             out.append(("error", str(exc)))
     return out, spy.calls
 
@@ -82,3 +89,27 @@ def test_a_bad_row_on_one_rank_fails_both_ranks_alike(tiny_path, tmp_path):
         assert "placeholder {solution} is not filled" in out[0][1]
         assert out[1][0] == "ok"  # the next scoring runs on both ranks: nothing was left waiting
     assert calls0 == [3] and calls1 == [1]
+
+
+def _weighted_on_rank(rank, world, tiny_path, template_path):
+    from interlens_mcore import distributed
+    from interlens_mcore.grpo.rewards import WeightedRewards, environment_reward
+    from interlens_mcore.rewards.judge import Judge, Template
+    from interlens_mcore.types import Status
+
+    groups = distributed.build_groups(rollout="world", vote_timeout_s=60)
+    judge = Judge(tiny_path, Template.read(template_path), max_new_tokens=3, **_vote(groups))
+    # rank 1's samples all failed earlier in the rollout: it still joins the judge's round
+    trajs = _samples(rank, 3, Status.STOPPED if rank == 0 else Status.FAILED)
+    rewards = WeightedRewards([environment_reward, judge])
+    totals, parts = rewards.score(trajs, [{"solution": "1"}] * 3)
+    return len(totals), [t.status.value for t in trajs]
+
+
+def test_a_rank_whose_samples_all_failed_joins_the_judges_round(tiny_path, tmp_path):
+    template = tmp_path / "judge.txt"
+    template.write_text(TEMPLATE)
+    (n0, status0), (n1, status1) = run_ranks(
+        _weighted_on_rank, 2, str(tiny_path), str(template), timeout=300
+    )
+    assert n0 == n1 == 3 and status0 == ["stopped"] * 3 and status1 == ["failed"] * 3

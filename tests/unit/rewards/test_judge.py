@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from interlens_mcore.rewards.judge import Judge, JudgeTemplateError, Template, parse_score
+from interlens_mcore.rewards.judge import Judge, JudgeError, JudgeTemplateError, Template, parse_score
 from interlens_mcore.rewards.model import RewardModelError
-from interlens_mcore.rollout.vote import RolloutValueError
 from interlens_mcore.types import Status, Trajectory, TrajectoryInfo
 
 TEMPLATE = "Question: {prompt}\nAnswer: {completion}\nReference: {solution}\nscore:"
@@ -96,7 +95,7 @@ def test_judge_scores_with_a_real_engine(tiny_path, tmp_path):
 def test_judge_row_without_a_placeholder_column_fails_through_the_vote(tiny_path, tmp_path):
     judge = Judge(tiny_path, template(tmp_path), max_new_tokens=2)
     missing = r"JudgeTemplateError: .*placeholder \{solution\} is not filled"
-    with pytest.raises(RolloutValueError, match=missing):
+    with pytest.raises(JudgeError, match=missing):
         judge([trajectory("q", "a")], [{"answer": "a"}])
 
 
