@@ -1,7 +1,8 @@
 """Tiny local assets: a BPE tokenizer with a chat template and a random causal LM.
 
 Both are saved with `save_pretrained` and loaded back through `from_pretrained`, so the real
-loading path runs; nothing is downloaded. (The default policy, that model after a short
+loading path runs; nothing is downloaded. `ensure_tiny_classifier` builds a tiny sequence
+classifier (a reward model for tests) with the same tokenizer. (The default policy, that model after a short
 supervised phase, is in `warm_start`; SmolLM2, which is downloaded, in `smollm2`.)
 """
 
@@ -119,6 +120,47 @@ def ensure_tiny_model(path: str | Path | None = None, *, arch: str = "qwen2", **
     try:
         tokenizer = build_tokenizer(tmp)
         build_model(tmp, tokenizer, arch=arch, **overrides)
+        publish(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def build_classifier(path: Path, tokenizer, *, seed: int = 0):
+    """A tiny randomly initialised Qwen2 sequence classifier (one label: a reward model) saved to `path`."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, Qwen2Config
+
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    config.num_labels = 1  # one logit: the reward
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return model
+
+
+def ensure_tiny_classifier(path: str | Path | None = None) -> Path:
+    """Build the tiny reward model + tokenizer folder once (atomically) and return its path."""
+    path = Path(path) if path is not None else default_asset_dir() / "tiny-reward-qwen2"
+    if (path / "config.json").exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
+    try:
+        build_classifier(tmp, build_tokenizer(tmp))
         publish(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -111,6 +111,25 @@ class LaunchConfig:
             "cosine, repetition, soft_overlong, or a name in an --external-plugins file's orms dict"
         },
     )
+    reward_model: str | None = field(
+        default=None,
+        metadata={"help": "folder of a sequence classifier whose score is the reward function reward_model"},
+    )
+    reward_model_label: int = field(
+        default=-1, metadata={"help": "--reward-model: the logit that is the score (-1: the last)"}
+    )
+    reward_model_batch_size: int = field(
+        default=8, metadata={"help": "--reward-model: trajectories per forward"}
+    )
+    judge_model: str | None = field(
+        default=None,
+        metadata={"help": "folder of a causal LM whose parsed verdict is the reward function judge"},
+    )
+    judge_template: str | None = field(
+        default=None,
+        metadata={"help": "--judge-model: the judge's prompt file ({prompt}, {completion}, row columns)"},
+    )
+    judge_max_new_tokens: int = field(default=16, metadata={"help": "--judge-model: tokens of its reply"})
 
     def __post_init__(self) -> None:
         if self.resume not in RESUME:

@@ -117,9 +117,11 @@ def tokenizer(args: Args):
     return AutoTokenizer.from_pretrained(model_folder(args))
 
 
-def reward_fns(args: Args) -> tuple[list[Any], list[float] | None]:
+def reward_fns(args: Args, groups: Any = None) -> tuple[list[Any], list[float] | None]:
     """The task's own reward (unless --no-env-reward), each --reward MODULE:FN (any of the three
-    conventions, `interlens_mcore.rewards`) and each --reward-funcs NAME, with weights."""
+    conventions, `interlens_mcore.rewards`), each --reward-funcs NAME, then --reward-model's and
+    --judge-model's, with weights. `groups` (the trainer's `ParallelGroups`) gives the judge the
+    rollout group's vote; without them it votes alone."""
     from interlens_mcore.rewards import adapt, named
 
     la = args.launch
@@ -133,6 +135,7 @@ def reward_fns(args: Args) -> tuple[list[Any], list[float] | None]:
         fns += named(la.reward_funcs, la.external_plugins, max_new_tokens=args.rollout.max_new_tokens)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    fns += model_rewards(args, groups)
     if not fns:
         raise UsageError("--no-env-reward leaves no reward: add --reward MODULE:FN or --reward-funcs NAME")
     weights = list(la.reward_weights) or None
@@ -142,6 +145,27 @@ def reward_fns(args: Args) -> tuple[list[Any], list[float] | None]:
             f"--reward-weights has {len(weights)} values for {len(fns)} reward functions ({names})"
         )
     return fns, weights
+
+
+def model_rewards(args: Args, groups: Any) -> list[Any]:
+    """--reward-model's and --judge-model's reward functions (their weights load on first use)."""
+    from interlens_mcore.rewards.judge import Judge, Template
+    from interlens_mcore.rewards.model import RewardModel
+
+    la, out = args.launch, list[Any]()
+    if (la.judge_model is None) != (la.judge_template is None):
+        given, missing = ("--judge-model", "--judge-template")[:: 1 if la.judge_model else -1]
+        raise UsageError(f"{given} needs {missing} (the judge's folder and its prompt file go together)")
+    try:
+        if la.reward_model is not None:
+            out.append(RewardModel(Path(la.reward_model), la.reward_model_label, la.reward_model_batch_size))
+        if la.judge_model is not None and la.judge_template is not None:
+            vote = {} if groups is None else {"gather_fn": groups.gather_fn(), "rank": groups.rank}
+            template = Template.read(la.judge_template)
+            out.append(Judge(Path(la.judge_model), template, la.judge_max_new_tokens, **vote))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return out
 
 
 def with_task_defaults(args: Args) -> tuple[Args, TaskSource]:
@@ -302,7 +326,7 @@ def build_trainer(args: Args, source: TaskSource):
         trajectories_per_rank=per_rank,
         micro_batch_size=args.trainer.micro_batch_size(per_rank, args.rollout.micro_batch_size),
     )
-    fns, weights = reward_fns(args)
+    fns, weights = reward_fns(args, groups)
     return GRPOTrainer(
         backend=backend,
         tasks=source,

@@ -162,6 +162,12 @@ def mark_failed(t: Trajectory, name: str, exc: BaseException) -> None:
     t.infos.stop_reason = f"reward {name}: {type(exc).__name__}: {exc}"
 
 
+def collective(fn: object) -> bool:
+    """A reward function whose call is collective over the rollout group (`collective = True`,
+    e.g. `rewards.judge.Judge`): every rank calls it each step, with no samples too."""
+    return getattr(fn, "collective", False) is True
+
+
 class WeightedRewards:
     """A weighted sum of reward functions; `components` keeps each one's values for logging."""
 
@@ -208,8 +214,8 @@ class WeightedRewards:
         parts: dict[str, list[float | None]] = {name: [None] * n for name in self.names}
         for name, fn in zip(self.names, self.fns):
             live = [i for i, t in enumerate(trajectories) if t.status is not Status.FAILED]
-            if not live:
-                break
+            if not live and not collective(fn):
+                continue  # a collective function (the judge) is called on every rank, even empty
             values = self.call(fn, name, [trajectories[i] for i in live], [rows[i] for i in live])
             for i, v in zip(live, values):
                 parts[name][i] = v
@@ -237,8 +243,8 @@ class WeightedRewards:
         except RewardError:
             raise
         except Exception:
-            if self.raise_errors:
-                raise
+            if self.raise_errors or collective(fn):
+                raise  # a collective function's retry would run a different number of rounds per rank
             return [self.one(fn, name, t, row) for t, row in zip(trajectories, rows)]
         return checked(fn, returned, trajectories)
 

@@ -16,6 +16,9 @@ ORM_PLUGIN = (
     "class Strict:\n    def __init__(self, threshold):\n        self.threshold = threshold\n\n"
     "    def __call__(self, completions, **kwargs):\n        return [0.0 for _ in completions]\n\n\n"
     "orms = {'strict': Strict}\n"
+CAUSAL_LM = '{"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}'
+CLASSIFIER = (
+    '{"architectures": ["Qwen2ForSequenceClassification"], "model_type": "qwen2", "id2label": {"0": "s"}}'
 )
 FACTORY = "def make():\n    raise RuntimeError('boom')\n\n\ndef not_a_task():\n    return 5\n"
 
@@ -531,6 +534,63 @@ SECTIONS: list[tuple[str, list[Refusal]]] = [
                 "16 of 16 samples failed at step 0 (scheduler: KeyError: 'solution' in conversation …); "
                 "--max-failed-fraction 0.5; --on-sample-error raise stops the run at the first one instead",
                 tested_by="tests/e2e/test_train_failures.py::test_every_sample_failing_ends_the_run_at_its_first_step",
+            ),
+        ],
+    ),
+    (
+        "Reward models and judges",
+        [
+            Refusal(
+                "--reward-model: no such folder",
+                ("--reward-model", "{tmp}/rm"),
+                "--reward-model {tmp}/rm: not a model folder (no config.json)",
+            ),
+            Refusal(
+                "--reward-model: a causal LM, not a sequence classifier",
+                ("--reward-model", "{tmp}/rm"),
+                "--reward-model {tmp}/rm: not a sequence classifier (config.json architectures: "
+                "['Qwen2ForCausalLM']); expected a ...ForSequenceClassification folder, as "
+                "AutoModelForSequenceClassification saves it",
+                files=(("rm/config.json", CAUSAL_LM), ("rm/model.safetensors", "(weights)")),
+            ),
+            Refusal(
+                "--reward-model: weights not in safetensors",
+                ("--reward-model", "{tmp}/rm"),
+                "--reward-model {tmp}/rm: no safetensors weights (*.safetensors); weights are read from "
+                "safetensors only, never unpickled: save the model with save_pretrained(folder) "
+                "(safe_serialization is the default)",
+                files=(("rm/config.json", CLASSIFIER), ("rm/pytorch_model.bin", "(a pickle)")),
+            ),
+            Refusal(
+                "--reward-model-label past the labels",
+                ("--reward-model", "{tmp}/rm", "--reward-model-label", "2"),
+                "--reward-model-label 2: the classifier in {tmp}/rm has 1 labels (expected an index in "
+                "[-1, 0]; -1: the last)",
+                files=(("rm/config.json", CLASSIFIER), ("rm/model.safetensors", "(weights)")),
+            ),
+            Refusal(
+                "--judge-model without --judge-template",
+                ("--judge-model", "{tmp}/judge"),
+                "--judge-model needs --judge-template (the judge's folder and its prompt file go together)",
+            ),
+            Refusal(
+                "--judge-template without {completion}",
+                ("--judge-model", "{tmp}/judge", "--judge-template", "{tmp}/judge.txt"),
+                "--judge-template {tmp}/judge.txt: no {completion} placeholder; the judge would not see "
+                "what it scores",
+                files=(("judge.txt", "Is {prompt} answered? score:"),),
+            ),
+            Refusal(
+                "--judge-model: a sequence classifier",
+                ("--judge-model", "{tmp}/rm", "--judge-template", "{tmp}/judge.txt"),
+                "--judge-model {tmp}/rm: not a causal LM (config.json architectures: "
+                "['Qwen2ForSequenceClassification']); the judge generates its verdict, so it needs a "
+                "...ForCausalLM folder",
+                files=(
+                    ("rm/config.json", CLASSIFIER),
+                    ("rm/model.safetensors", "(weights)"),
+                    ("judge.txt", "{completion} score:"),
+                ),
             ),
         ],
     ),

@@ -80,6 +80,9 @@ def rollout_figures(
     out["turns_mean"] = _mean([f.turns for f in every]) or 0.0
     out["timeouts"] = sum(f.status is Status.TIMEOUT for f in every)  # samples a step time limit ended
     out["truncated"] = sum(f.status is Status.TRUNCATED for f in every)  # samples that outgrew the context
+    judged = [f.judge_unparsed for f in every if f.judge_unparsed is not None]
+    if judged:  # --judge-model: the replies it could not read a score from
+        out["judge/unparsed"] = sum(judged)
     out.update(sample_figures([p["facts"] for p in parts]))
     for key in sorted({k for p in parts for k in p["logged"]}):
         out[f"reward_metric/{key}"] = _mean([v for p in parts for v in p["logged"].get(key, [])])

@@ -37,6 +37,7 @@ class SampleFacts:
     # them; None: no tools were offered
     tools: dict[str, int] | None
     dataset: str | None  # the dataset of a task mix the sample's row came from
+    judge_unparsed: int | None = None  # 1: --judge-model's reply held no score (None: no judge)
 
 
 def _count(value: object) -> int | None:
@@ -76,6 +77,7 @@ def facts_of(t: Trajectory, reward: float, dataset: str | None = None) -> Sample
         ended_invalid=ended,
         tools=tools,
         dataset=dataset,
+        judge_unparsed=_count(info.get("judge_unparsed")),
     )
 
 
