@@ -16,6 +16,7 @@ ORM_PLUGIN = (
     "class Strict:\n    def __init__(self, threshold):\n        self.threshold = threshold\n\n"
     "    def __call__(self, completions, **kwargs):\n        return [0.0 for _ in completions]\n\n\n"
     "orms = {'strict': Strict}\n"
+)
 CAUSAL_LM = '{"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}'
 CLASSIFIER = (
     '{"architectures": ["Qwen2ForSequenceClassification"], "model_type": "qwen2", "id2label": {"0": "s"}}'
