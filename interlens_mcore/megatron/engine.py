@@ -77,6 +77,10 @@ def sample_vocab_parallel(
     return sample(logits, temperatures, seeds, steps, filters, vocab_shard(start, group, comm_device))
 
 
+# the most logits one generation forward may hold ([T, V_local] floats: 512 MB in float32)
+LOGITS_BUDGET = 1 << 27
+
+
 @dataclass
 class MegatronEngine:
     """The Engine protocol over a megatron GPTModel; `generate` is collective over `group`.
@@ -132,8 +136,35 @@ class MegatronEngine:
         self.stats.generated_tokens += sum(len(g.token_ids) for g in outs)
         return outs
 
-    def _forward_last(self, seqs: list[list[int]], cache: KVCache | None) -> torch.Tensor:
-        """Logits shard [B, V_local] at the last token of each sequence (packed forward)."""
+    def _forward_last(
+        self, seqs: list[list[int]], cache: KVCache | None, rows: list[int] | None = None
+    ) -> torch.Tensor:
+        """Logits shard [B, V_local] at the last token of each sequence (packed forwards).
+
+        A forward's logits cover every token it feeds ([T, V_local] in float32), so a long
+        prefill of many conversations is fed in chunks of whole sequences of at most
+        `LOGITS_BUDGET` logits each: 16 conversations of 2,000 tokens with a 49k vocabulary would
+        otherwise take 6 GB for logits of which 16 rows are read. `rows` are the cache rows the
+        sequences feed (with a cache). The chunks depend only on the lengths, alike on every TP rank.
+        """
+        per_token = max(1, self.layout.vocab_per_rank)
+        chunks: list[list[int]] = [[]]  # indices into seqs
+        size = 0
+        for i, s in enumerate(seqs):
+            if chunks[-1] and (size + len(s)) * per_token > LOGITS_BUDGET:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(i)
+            size += len(s)
+        out = []
+        for chunk in chunks:
+            if cache is not None:
+                assert rows is not None, "the cache rows the sequences feed"
+                cache.select([rows[i] for i in chunk])
+            out.append(self._forward_chunk([seqs[i] for i in chunk], cache))
+        return torch.cat(out)
+
+    def _forward_chunk(self, seqs: list[list[int]], cache: KVCache | None) -> torch.Tensor:
         lengths = torch.tensor([len(s) for s in seqs])
         cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
         cu[1:] = lengths.cumsum(0)
@@ -166,8 +197,8 @@ class MegatronEngine:
             if cache is None:  # recompute every active row from its first token
                 logits = self._forward_last([seqs[i] for i in active], None)
             else:  # the prompts once, then each row's newest token
-                cache.select(active)
-                logits = self._forward_last([seqs[i][-1:] if step else seqs[i] for i in active], cache)
+                fed = [seqs[i][-1:] if step else seqs[i] for i in active]
+                logits = self._forward_last(fed, cache, active)
             if sampler is None:
                 sampler = BatchSampling(
                     requests,

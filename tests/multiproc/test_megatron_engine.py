@@ -79,6 +79,7 @@ def _tp2_checks(rank: int, path: str) -> dict:
     engine = MegatronEngine(model, layout, group=distributed.megatron_tp_group())
     out = {"split": engine.generate(reqs[:4] if rank == 0 else reqs[4:])}  # uneven shares
     out["cached"] = supports_kv_cache(model)  # so "split" above ran with the KV cache
+    out.update(_chunked(model, layout, reqs[:4] if rank == 0 else reqs[4:]))
     recompute = MegatronEngine(model, layout, use_kv_cache=False)  # group None: the world
     out["recompute"] = recompute.generate(reqs[:4] if rank == 0 else reqs[4:])
     out["idle"] = engine.generate(reqs[1:3] if rank == 1 else [])  # rank 0 idle, still joins
@@ -96,6 +97,27 @@ def _tp2_checks(rank: int, path: str) -> dict:
         short.generate([long_row] if rank == 1 else [])
     except ValueError as exc:  # raised on both ranks, not only on the one that owns the row
         out["context_error"] = str(exc)
+    return out
+
+
+def _chunked(model, layout, reqs: list[GenerationRequest]) -> dict:
+    """The same rows with a logits budget of 8 tokens a forward: the prefill in several chunks."""
+    import interlens_mcore.megatron.engine as engine_module
+    from interlens_mcore import distributed
+
+    def engine():
+        return engine_module.MegatronEngine(model, layout, group=distributed.megatron_tp_group())
+
+    plain = engine()
+    out = {"plain": plain.generate(reqs), "plain_forwards": plain.stats.forwards}
+    budget = engine_module.LOGITS_BUDGET
+    engine_module.LOGITS_BUDGET = layout.vocab_per_rank * 8  # every rank of the TP group alike
+    try:
+        chunked = engine()
+        out["chunked"] = chunked.generate(reqs)
+        out["chunked_forwards"] = chunked.stats.forwards
+    finally:
+        engine_module.LOGITS_BUDGET = budget
     return out
 
 
@@ -180,6 +202,14 @@ def test_kv_cache_equals_full_recompute(ranks):
         assert _tokens(r["recompute"]) == _tokens(r["split"])
         for a, b in zip(r["recompute"], r["split"], strict=True):
             assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+def test_a_prefill_in_chunks_samples_what_one_forward_samples(ranks):
+    for r in ranks:
+        assert _tokens(r["chunked"]) == _tokens(r["plain"])
+        for a, b in zip(r["chunked"], r["plain"], strict=True):
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+        assert r["chunked_forwards"] > r["plain_forwards"]  # the prefill took several forwards
 
 
 def test_idle_rank_joins_and_each_rank_keeps_its_rows(ranks):
