@@ -34,6 +34,10 @@ PRETRAINED_ON_CPU: dict[str, object] = {
     "temperature": 0.7,
     "lr": 1e-5,
     "beta": 0.0,
+    # the update's forward holds logits [tokens, 49152]: 4 trajectories a micro-batch keeps a
+    # self-play game's 32 long trajectories (textarena) within a CPU machine's memory; the
+    # accumulated micro-batches give the same update as one
+    "micro_batch_size": 4,
 }
 
 
