@@ -78,9 +78,10 @@ def test_a_failure_on_one_rank_is_every_ranks_last_line(tmp_path):
     (tmp_path / "faulty.py").write_text(FAULTY)
     out = tmp_path / "run"
     start = time.monotonic()
-    res = torchrun(
-        "--task", "faulty:make", "--output-dir", str(out), "--steps", "5", *SMALL, cwd=tmp_path, FAULT="raise"
-    )
+    # fail fast: one sample's error ends the run (by default it would end only the sample)
+    args = ["--task", "faulty:make", "--output-dir", str(out), "--steps", "5", *SMALL]
+    args += ["--on-sample-error", "raise"]
+    res = torchrun(*args, cwd=tmp_path, FAULT="raise")
     elapsed = time.monotonic() - start
     assert res.returncode != 0
     # rank 0 and rank 1 both name it (rank 1's rollout vote wraps the environment's error)
