@@ -130,6 +130,7 @@ def test_an_environment_raising_on_one_rank_ends_both_named(tmp_path):
     (tmp_path / "faulty.py").write_text(FAULTY)
     out = tmp_path / "look"
     args = ["--task", "faulty:make", "--output-dir", str(out), "--steps", "5", *LOOK]
+    args += ["--on-sample-error", "raise"]  # by default the error would end only its samples
     res = torchrun(*args, script=ROLLOUT, cwd=tmp_path, FAULT="raise")
     assert res.returncode == 1, res.stderr[-3000:]
     # both ranks name rank 1's environment (its conversations of step 3 raise)
