@@ -203,7 +203,14 @@ def run_case(backend, groups, tokenizer, fault: Fault, out: Path) -> dict:
         groups=groups,
         tokenizer=tokenizer,
         config=config,
-        rollout_config=RolloutConfig(num_generations=2, max_new_tokens=2),
+        # fail fast, as the matrix checks (the default "skip" would end only the failing samples:
+        # tests/multiproc/test_sample_errors_dist.py); the reward stage keeps the default, whose
+        # raising function fails just the samples it raised for
+        rollout_config=RolloutConfig(
+            num_generations=2,
+            max_new_tokens=2,
+            on_sample_error="skip" if fault.stage in ISOLATED else "raise",
+        ),
         loss_config=LossConfig(beta=0.0),
         rewards=[environment_reward, reward_of(fault)],
     )

@@ -140,6 +140,7 @@ def test_a_flaky_environment_in_evaluation_ends_both_ranks_named(tmp_path):
     (tmp_path / "flaky.py").write_text(FLAKY)
     logs = tmp_path / "logs"
     args = [str(TRAIN), "--task", "flaky:make_tasks", "--steps", "4", "--eval-size", "8"]
+    args += ["--on-sample-error", "raise"]  # fail fast (by default the judge's error ends its sample only)
     start = time.monotonic()
     res = _torchrun([*args, "--output-dir", str(tmp_path / "run")], cwd=tmp_path, timeout=300, log_dir=logs)
     elapsed = time.monotonic() - start
