@@ -48,12 +48,35 @@ def _prepare(row: Refusal, tmp: Path) -> list[str]:
     return args if "--output-dir" in args else [*args, "--output-dir", str(tmp / "out")]
 
 
+@pytest.fixture
+def shipped_registries(monkeypatch):
+    """compat.swift's scheduler and environment registries as the package ships them.
+
+    The rows run in this process, and other tests of the session register their own schedulers
+    and environments (at import or in a test) and load plugin files: a refusal that lists the
+    registered names must see only the package's own.
+    """
+    from interlens_mcore.compat.swift import gym, plugins, scheduler
+
+    monkeypatch.setattr(plugins, "_loaded", [])
+    tables = [(t, dict(t)) for t in (scheduler.multi_turns, gym.envs)]
+    for table, saved in tables:
+        table.clear()
+        table.update({k: v for k, v in saved.items() if v.__module__.startswith("interlens_mcore.")})
+    try:
+        yield
+    finally:
+        for table, saved in tables:
+            table.clear()
+            table.update(saved)
+
+
 def _listing(tmp: Path) -> list[str]:
     return sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*"))
 
 
 @pytest.mark.parametrize("row", [r for r in ROWS if not r.tested_by], ids=lambda r: r.what)
-def test_each_row_is_refused_as_the_table_says(row, tmp_path, capsys, monkeypatch):
+def test_each_row_is_refused_as_the_table_says(row, tmp_path, capsys, monkeypatch, shipped_registries):
     from support.launch import train_main
 
     args = _prepare(row, tmp_path)

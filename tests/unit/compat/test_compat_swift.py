@@ -197,7 +197,13 @@ class GuessEnv(Env):
         GuessEnv.closed += 1
 
 
-envs["guess"] = GuessEnv
+@pytest.fixture
+def guess_env():
+    """GuessEnv registered as "guess" for one test (a registration at import would reach every
+    test of the session that lists the registered environments)."""
+    envs["guess"] = GuessEnv
+    yield GuessEnv
+    envs.pop("guess", None)
 
 
 def user_rows(n: int) -> list[dict]:
@@ -488,7 +494,7 @@ def test_bad_step_result_is_a_value_error_naming_the_request(tokenizer):
 # -- gym environments and the training path -----------------------------------------------------------
 
 
-def test_gym_scheduler_resets_environments_before_turn_one(tokenizer, chat):
+def test_gym_scheduler_resets_environments_before_turn_one(tokenizer, chat, guess_env):
     GuessEnv.closed = 0
     rows = [{"env_config": {"name": "guess"}, "secret": 7}, {"env_config": {"name": "guess"}, "secret": 9}]
     engine = ScriptedEngine(tokenizer, lambda i, t: "3" if t == 1 else "7")
