@@ -212,7 +212,11 @@ class WeightedRewards:
             self.state.global_step = step
         n = len(trajectories)
         parts: dict[str, list[float | None]] = {name: [None] * n for name in self.names}
-        for name, fn in zip(self.names, self.fns):
+        # collective functions first: a user function raising on one rank must not leave the
+        # other ranks waiting in a collective one's round (the world check after the phase
+        # reports the raise on every rank)
+        order = sorted(zip(self.names, self.fns), key=lambda pair: not collective(pair[1]))
+        for name, fn in order:
             live = [i for i, t in enumerate(trajectories) if t.status is not Status.FAILED]
             if not live and not collective(fn):
                 continue  # a collective function (the judge) is called on every rank, even empty

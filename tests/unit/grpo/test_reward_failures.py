@@ -66,3 +66,24 @@ def test_no_environment_reward_names_no_env_reward_when_reward_functions_were_gi
         WeightedRewards([environment_reward, picky]).score(ts, [row()])
     with pytest.raises(NoEnvironmentReward, match=r"give the task a reward function \(--reward MODULE:FN\)"):
         WeightedRewards([environment_reward]).score(ts, [row()])
+
+
+def test_a_collective_function_runs_before_user_functions_that_may_raise():
+    # a user function raising on one rank must not leave the others waiting in the judge's round
+    calls = []
+
+    class Round:
+        name, collective = "judge", True
+
+        def __call__(self, trajectories, rows):
+            calls.append("judge")
+            return [0.5 for _ in trajectories]
+
+    def user(trajectories, rows):
+        calls.append("user")
+        raise RuntimeError("broken")
+
+    rewards = WeightedRewards([user, Round()], raise_errors=True)
+    with pytest.raises(RuntimeError, match="broken"):
+        rewards.score([sample("a")], [row()])
+    assert calls == ["judge", "user"]
