@@ -130,6 +130,27 @@ class LaunchConfig:
         metadata={"help": "--judge-model: the judge's prompt file ({prompt}, {completion}, row columns)"},
     )
     judge_max_new_tokens: int = field(default=16, metadata={"help": "--judge-model: tokens of its reply"})
+    agent: str | None = field(
+        default=None,
+        metadata={
+            "help": "MODULE:FN, an agent written against the OpenAI API (async def FN(client, row) -> "
+            "reward): run once per sample against the rollout's endpoint, on rows of --dataset or --task"
+        },
+    )
+    agent_branches: Literal["last", "all"] = field(
+        default="last", metadata={"help": "--agent: train the last call's history, or every branch"}
+    )
+    agent_reply_match: Literal["text", "position"] = field(
+        default="text",
+        metadata={
+            "help": "--agent: a re-sent reply must have the text returned (text), or any assistant "
+            "message where a reply stood is taken for it (position: agents that re-word replies)"
+        },
+    )
+    agent_round_wait_s: float = field(
+        default=2.0,
+        metadata={"help": "--agent: how long a round waits for a busy agent to call before it generates"},
+    )
 
     def __post_init__(self) -> None:
         if self.resume not in RESUME:

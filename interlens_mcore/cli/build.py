@@ -65,6 +65,8 @@ def base_source(args: Args) -> TaskSource:
             source = dataset.source(la.dataset, la.prompt_column, la.eval_dataset, **la.task_arguments)
         else:
             source = resolve_task(la.task, la.task_arguments)
+        if la.agent is not None:
+            source = agent_source(args, source)
         if la.system_prompt is not None:  # before --tools: their descriptions join the same message
             from interlens_mcore.cli.system_prompt import SystemPromptSource
 
@@ -72,6 +74,30 @@ def base_source(args: Args) -> TaskSource:
     except ValueError as exc:
         raise UsageError(flagify(str(exc))) from None
     return source
+
+
+def agent_source(args: Args, rows: TaskSource) -> TaskSource:
+    """--agent MODULE:FN playing the rows of `rows` (--dataset or --task) through the endpoint."""
+    from interlens_mcore.agents.task import AgentTasks
+
+    la = args.launch
+    for flag, given in (
+        ("--tools", la.tools is not None),
+        ("--multi-turn-scheduler", la.multi_turn_scheduler is not None),
+        ("--system-prompt", la.system_prompt is not None),
+    ):
+        if given:
+            raise ValueError(f"--agent runs the agent's own code: {flag} does not reach it (drop one)")
+    agent = load_object(la.agent, what="--agent")
+    if not callable(agent):
+        raise ValueError(f"--agent {la.agent}: {type(agent).__name__} is not callable; expected FN(client, row)")
+    return AgentTasks(
+        agent,
+        rows,
+        branches=la.agent_branches,
+        reply_match=la.agent_reply_match,
+        round_wait_s=la.agent_round_wait_s,
+    )
 
 
 def add_tools(args: Args, source: TaskSource) -> TaskSource:
