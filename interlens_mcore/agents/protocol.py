@@ -25,17 +25,60 @@ from ..tools.parser import ParsedCalls
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # sampling fields passed to the engine as they are (vLLM's meanings, as in SamplingOptions)
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 # every field a request may carry besides the sampling ones: those read below, and those agents
 # send that change nothing here (accepted and ignored)
 KNOWN = (
-    "user", "metadata", "store", "parallel_tool_calls", "response_format", "service_tier", "stream_options",
-    "logit_bias", "echo", "best_of", "suffix", "reasoning_effort", "modalities", "audio", "prediction",
-    "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output", "prompt_logprobs",
-    "add_generation_prompt", "chat_template_kwargs", "return_tokens_as_token_ids", "return_token_ids",
-    "web_search_options", "prompt_cache_key", "safety_identifier", "verbosity", "top_logprobs", "logprobs",
-    "max_tokens", "max_completion_tokens", "n", "seed", "stop", "stream", "tools", "tool_choice", "model",
-    "messages", "prompt", "functions", "function_call",
+    "user",
+    "metadata",
+    "store",
+    "parallel_tool_calls",
+    "response_format",
+    "service_tier",
+    "stream_options",
+    "logit_bias",
+    "echo",
+    "best_of",
+    "suffix",
+    "reasoning_effort",
+    "modalities",
+    "audio",
+    "prediction",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+    "prompt_logprobs",
+    "add_generation_prompt",
+    "chat_template_kwargs",
+    "return_tokens_as_token_ids",
+    "return_token_ids",
+    "web_search_options",
+    "prompt_cache_key",
+    "safety_identifier",
+    "verbosity",
+    "top_logprobs",
+    "logprobs",
+    "max_tokens",
+    "max_completion_tokens",
+    "n",
+    "seed",
+    "stop",
+    "stream",
+    "tools",
+    "tool_choice",
+    "model",
+    "messages",
+    "prompt",
+    "functions",
+    "function_call",
 )
 
 
@@ -109,7 +152,9 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
         return ()
     items = [stop] if isinstance(stop, str) else stop
     if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items) or len(items) > 16:
-        raise BadRequest(f"'stop' must be a non-empty string or a list of at most 16 of them, got {stop!r}", param="stop")
+        raise BadRequest(
+            f"'stop' must be a non-empty string or a list of at most 16 of them, got {stop!r}", param="stop"
+        )
     return tuple(items)
 
 
@@ -169,12 +214,15 @@ def chat_call(body: object) -> CallSpec:
     tools = body.get("tools") or []
     if not isinstance(tools, list) or not all(_is_tool(t) for t in tools):
         raise BadRequest(
-            "'tools' must be a list of {\"type\": \"function\", \"function\": {\"name\": ...}} objects",
+            '\'tools\' must be a list of {"type": "function", "function": {"name": ...}} objects',
             param="tools",
         )
     choice = body.get("tool_choice", "auto")
     if not (choice in ("auto", "none", "required") or isinstance(choice, dict)):
-        raise BadRequest(f"'tool_choice' must be 'auto', 'none', 'required' or a function, got {choice!r}", param="tool_choice")
+        raise BadRequest(
+            f"'tool_choice' must be 'auto', 'none', 'required' or a function, got {choice!r}",
+            param="tool_choice",
+        )
     canon = tuple(canonical(m, where=f"messages[{i}]") for i, m in enumerate(messages))
     return CallSpec(messages=canon, tools=tuple(tools), tool_choice=choice, **spec)
 
@@ -186,11 +234,17 @@ def completion_call(body: object) -> CallSpec:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # one prompt in a list, as the client may send it
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
+    ):
         return CallSpec(prompt=tuple(prompt), **spec)
     if isinstance(prompt, str) and prompt:
         return CallSpec(prompt=prompt, **spec)
-    raise BadRequest("'prompt' must be a non-empty string or a list of token ids (one prompt per request)", param="prompt")
+    raise BadRequest(
+        "'prompt' must be a non-empty string or a list of token ids (one prompt per request)", param="prompt"
+    )
 
 
 def _is_tool(tool: object) -> bool:
@@ -215,15 +269,21 @@ def text_of(content: object, where: str) -> str:
                 parts.append(str(part.get("text", "")))
             else:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise BadRequest(f"{where}.content[{k}] is of type {kind!r}; only text parts are served", param=where)
+                raise BadRequest(
+                    f"{where}.content[{k}] is of type {kind!r}; only text parts are served", param=where
+                )
         return "".join(parts)
-    raise BadRequest(f"{where}.content must be a string or a list of text parts, got {type(content).__name__}", param=where)
+    raise BadRequest(
+        f"{where}.content must be a string or a list of text parts, got {type(content).__name__}", param=where
+    )
 
 
 def canonical(message: object, *, where: str) -> dict[str, Any]:
     """A chat message in the form histories are compared in (see the module docstring)."""
     if not isinstance(message, dict):
-        raise BadRequest(f"{where} must be an object with 'role' and 'content', got {type(message).__name__}", param=where)
+        raise BadRequest(
+            f"{where} must be an object with 'role' and 'content', got {type(message).__name__}", param=where
+        )
     role = message.get("role")
     if role not in ROLES:
         raise BadRequest(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", param=where)
@@ -240,7 +300,9 @@ def canonical(message: object, *, where: str) -> dict[str, Any]:
 def _call(call: object, where: str) -> dict[str, Any]:
     fn = call.get("function") if isinstance(call, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise BadRequest(f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}", param=where)
+        raise BadRequest(
+            f'{where} must be {{"type": "function", "function": {{"name", "arguments"}}}}', param=where
+        )
     args = fn.get("arguments", "{}")
     if isinstance(args, str):
         try:
@@ -278,7 +340,9 @@ def _logprobs(spec: CallSpec, choice: Choice) -> dict[str, Any] | None:
         return {
             "tokens": names,
             "token_logprobs": list(g.logprobs),
-            "top_logprobs": [{n: lp} for n, lp in zip(names, g.logprobs, strict=True)] if spec.top_logprobs else None,
+            "top_logprobs": [{n: lp} for n, lp in zip(names, g.logprobs, strict=True)]
+            if spec.top_logprobs
+            else None,
             "text_offset": None,
         }
     content = []
@@ -294,18 +358,30 @@ def tool_calls_out(message: Mapping[str, Any], call_ids: Sequence[str]) -> list[
     if not calls:
         return None
     return [
-        {"id": cid, "type": "function", "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
+        {
+            "id": cid,
+            "type": "function",
+            "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])},
+        }
         for cid, c in zip(call_ids, calls, strict=True)
     ]
 
 
 def usage(prompt_tokens: int, choices: Sequence[Choice]) -> dict[str, int]:
     completion = sum(len(c.generation.token_ids) for c in choices)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+    }
 
 
 def response(
-    spec: CallSpec, rid: str, prompt_ids: Sequence[int], choices: Sequence[Choice], call_ids: Sequence[Sequence[str]]
+    spec: CallSpec,
+    rid: str,
+    prompt_ids: Sequence[int],
+    choices: Sequence[Choice],
+    call_ids: Sequence[Sequence[str]],
 ) -> dict[str, Any]:
     """The non-streamed response body; `prompt_token_ids` and each choice's `token_ids` are the
     ids the engine conditioned on and sampled (the fields vLLM's server uses for RL)."""
@@ -338,16 +414,30 @@ def response(
 
 
 def stream_chunks(
-    spec: CallSpec, rid: str, prompt_ids: Sequence[int], choices: Sequence[Choice], call_ids: Sequence[Sequence[str]]
+    spec: CallSpec,
+    rid: str,
+    prompt_ids: Sequence[int],
+    choices: Sequence[Choice],
+    call_ids: Sequence[Sequence[str]],
 ) -> list[dict[str, Any]]:
     """The chunks of a streamed chat response (each sent as one `data:` event): per choice its
     role, its content, its tool calls, then its finish reason; the usage last when asked."""
     created, chunks = int(time.time()), []
 
     def chunk(index: int, delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
-        body = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": extra.pop("logprobs", None)}
-        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": spec.model,
-                "choices": [{**body, **extra}]}
+        body = {
+            "index": index,
+            "delta": delta,
+            "finish_reason": finish,
+            "logprobs": extra.pop("logprobs", None),
+        }
+        return {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": spec.model,
+            "choices": [{**body, **extra}],
+        }
 
     for i, (c, ids) in enumerate(zip(choices, call_ids, strict=True)):
         chunks.append(chunk(i, {"role": "assistant", "content": ""}))
@@ -359,6 +449,14 @@ def stream_chunks(
             chunks.append(chunk(i, {"tool_calls": [{"index": k, **call}]}))
         chunks.append(chunk(i, {}, c.finish_reason, token_ids=list(c.generation.token_ids)))
     if spec.include_usage:
-        chunks.append({"id": rid, "object": "chat.completion.chunk", "created": created, "model": spec.model,
-                       "choices": [], "usage": usage(len(prompt_ids), choices)})
+        chunks.append(
+            {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": spec.model,
+                "choices": [],
+                "usage": usage(len(prompt_ids), choices),
+            }
+        )
     return chunks

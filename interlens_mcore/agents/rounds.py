@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +39,7 @@ class AgentRun:
     """One sample's agent: its session, its task and how it ended."""
 
     session: Session
-    start: Callable[[], Awaitable[object]]  # runs the agent to its result
+    start: Callable[[], Coroutine[Any, Any, object]]  # runs the agent to its result
     task: asyncio.Task[object] | None = None
     waiting: int = 0  # calls of this agent the endpoint holds for the next engine call
     idle_since: float = field(default_factory=time.monotonic)  # since the endpoint last answered it
@@ -128,9 +128,13 @@ class AgentRounds(Driver):
 
     async def _settle(self) -> None:
         """Wait until every live agent waits on the endpoint or has finished (or for the grace)."""
+        await asyncio.sleep(0)  # agents answered by the last call resume before anything is counted
         while True:
             live = [r for r in self.runs if r.live and not (r.task is not None and r.task.done())]
-            if all(r.waiting for r in live):
+            # waiting: a call held for the next engine call (an answered call does not count,
+            # though its agent has not resumed yet)
+            held = {id(run) for run, _, future in self._pending if not future.done()}
+            if all(id(r) in held for r in live):
                 return
             self._changed.clear()
             try:
@@ -143,7 +147,8 @@ class AgentRounds(Driver):
         wait = self.round_wait_s
         if self.step_timeout_s is not None:
             now = time.monotonic()
-            busy = [self.step_timeout_s - (now - r.idle_since) for r in live if not r.waiting]
+            held = {id(run) for run, _, future in self._pending if not future.done()}
+            busy = [self.step_timeout_s - (now - r.idle_since) for r in live if id(r) not in held]
             wait = min([wait, *busy]) if busy else wait
         return max(wait, 0.001)
 
@@ -152,8 +157,9 @@ class AgentRounds(Driver):
         if self.step_timeout_s is None:
             return False
         now, any_ = time.monotonic(), False
+        held = {id(run) for run, _, future in self._pending if not future.done()}
         for r in live:
-            if not r.waiting and now - r.idle_since >= self.step_timeout_s and r.task is not None:
+            if id(r) not in held and now - r.idle_since >= self.step_timeout_s and r.task is not None:
                 r.task.cancel()
                 r.status = Status.TIMEOUT
                 r.reason = f"timeout: agent made no call for {self.step_timeout_s:g} s"
@@ -189,11 +195,14 @@ class AgentRounds(Driver):
                 future.cancel()
 
 
-def agent_call(fn: AgentFn, client_for: Callable[[bool], Any], row: object) -> Callable[[], Awaitable[object]]:
+def agent_call(
+    fn: AgentFn, client_for: Callable[[bool], Any], row: object
+) -> Callable[[], Coroutine[Any, Any, object]]:
     """A coroutine factory running `fn(client, row)`: an async fn in the loop with an
     `AsyncOpenAI` client, a sync one in a daemon thread (one that never returns does not keep
     the process alive) with an `OpenAI` client."""
-    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):
+
         async def run_async() -> object:
             return await fn(client_for(True), row)
 

@@ -30,7 +30,7 @@ import asyncio
 import dataclasses
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Protocol
 
@@ -150,7 +150,9 @@ class AgentEndpoint:
         sid = request.match_info.get("sid") or request.headers.get("X-Session-Id") or "default"
         if sid not in self.sessions:
             if not self.open_sessions:
-                raise BadRequest(f"no agent session {sid!r} is running here", status=404, code="session_not_found")
+                raise BadRequest(
+                    f"no agent session {sid!r} is running here", status=404, code="session_not_found"
+                )
             self.open(sid, seed=mix_seed(self.seed, len(self.sessions)))
         return self.sessions[sid]
 
@@ -204,8 +206,13 @@ class AgentEndpoint:
 
     # -- endpoints ----------------------------------------------------------------------------
     async def _models(self, request: web.Request) -> web.Response:
-        model = {"id": self.model, "object": "model", "created": 0, "owned_by": "interlens_mcore",
-                 "max_model_len": self.engine.max_context}
+        model = {
+            "id": self.model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "interlens_mcore",
+            "max_model_len": self.engine.max_context,
+        }
         return web.json_response({"object": "list", "data": [model]})
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
@@ -230,7 +237,9 @@ class AgentEndpoint:
         vocab = len(self.tokenizer)
         bad = [t for t in ids if t >= vocab]
         if bad:
-            raise BadRequest(f"'prompt' holds token id {bad[0]}, beyond the vocabulary of {vocab}", param="prompt")
+            raise BadRequest(
+                f"'prompt' holds token id {bad[0]}, beyond the vocabulary of {vocab}", param="prompt"
+            )
         base = session.base_for_ids(ids)
         session.note_base(base, None)
         return await self._answer(request, _Call(spec, session, base, ids, []))
@@ -271,7 +280,9 @@ class AgentEndpoint:
         ceiling = self.sampling.max_new_tokens
         cap = min(spec.max_tokens or ceiling, ceiling, room)
         options = {**self.sampling.options(), **spec.sampling, "stop": spec.stop}
-        options["stop_token_ids"] = tuple(dict.fromkeys([*self.chat.stop_token_ids, *self.sampling.stop_token_ids]))
+        options["stop_token_ids"] = tuple(
+            dict.fromkeys([*self.chat.stop_token_ids, *self.sampling.stop_token_ids])
+        )
         try:
             check_temperature(float(options["temperature"]), "temperature")
             return [
@@ -297,14 +308,21 @@ class AgentEndpoint:
         parsed = self.parser.parse(text) if spec.kind == "chat" and spec.tools_key else None
         if spec.kind == "chat":
             message = protocol.assistant_message(text, parsed)
-            history: tuple[dict[str, Any], ...] | None = (*spec.messages, message)  # type: ignore[assignment]
+            history: tuple[Mapping[str, Any], ...] | None = (*spec.messages, message)
             stopped = bool(g.token_ids) and g.token_ids[-1] in self.chat.stop_token_ids
             close = self.chat.close_ids("stop" if stopped else "length")
         else:
             message, history, close = {"content": text}, None, []
         node = call.session.commit(
-            call.base, call.context, call.opener, g.token_ids, g.logprobs, g.finish_reason, close,
-            history, spec.tools_key,
+            call.base,
+            call.context,
+            call.opener,
+            g.token_ids,
+            g.logprobs,
+            g.finish_reason,
+            close,
+            history,
+            spec.tools_key,
         )
         finish = "tool_calls" if parsed is not None and parsed.calls else g.finish_reason
         tokens = self.tokenizer.convert_ids_to_tokens(list(g.token_ids)) if spec.logprobs else []
@@ -326,14 +344,15 @@ class AgentEndpoint:
         ]
         if not call.spec.stream:
             return web.json_response(protocol.response(call.spec, rid, call.prompt, choices, call_ids))
-        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        stream = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
         await stream.prepare(request)
         for chunk in protocol.stream_chunks(call.spec, rid, call.prompt, choices, call_ids):
             await stream.write(f"data: {json.dumps(chunk)}\n\n".encode())
         await stream.write(b"data: [DONE]\n\n")
         await stream.write_eof()
         return stream
-
 
 
 @contextmanager
@@ -364,7 +383,9 @@ def serve(
         while endpoint._runner is not None:
             await asyncio.sleep(0.05)
 
-    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True, name="agent-endpoint")
+    thread = threading.Thread(
+        target=loop.run_until_complete, args=(main(),), daemon=True, name="agent-endpoint"
+    )
     thread.start()
     started.wait()
     if failure:
@@ -375,4 +396,3 @@ def serve(
         asyncio.run_coroutine_threadsafe(endpoint.stop(), loop).result(timeout=30)
         thread.join(timeout=30)
         loop.close()
-

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from ..chat import ChatFormat
 from ..tools.render import tools_system_text
@@ -44,10 +44,14 @@ class Renderer:
     def _tools_text(self, tools: Sequence[Mapping[str, Any]], key: str, system: str | None) -> str:
         if (key, system) not in self._tools:
             tokenizer: Any = self.chat.tokenizer
-            self._tools[(key, system)] = tools_system_text(tokenizer, [dict(t) for t in tools], system)
+            self._tools[(key, system)] = tools_system_text(
+                tokenizer, [cast(Any, dict(t)) for t in tools], system
+            )
         return self._tools[(key, system)]
 
-    def opening(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]], key: str) -> list[int]:
+    def opening(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]], key: str
+    ) -> list[int]:
         """Ids of a history rendered from its start (the template's preamble included)."""
         msgs = [dict(m) for m in messages]
         if key:
@@ -72,7 +76,8 @@ def written(message: Mapping[str, Any]) -> str:
     text = str(message.get("content") or "")
     calls = message.get("tool_calls") or []
     blocks = [
-        "<tool_call>" + json.dumps({"name": c["name"], "arguments": c["arguments"]}) + "</tool_call>" for c in calls
+        "<tool_call>" + json.dumps({"name": c["name"], "arguments": c["arguments"]}) + "</tool_call>"
+        for c in calls
     ]
     return "\n".join([text, *blocks]) if text and blocks else text + "\n".join(blocks)
 
@@ -120,7 +125,9 @@ class Session:
         for i, (mine, theirs) in enumerate(zip(node.messages, messages)):
             if mine == theirs:
                 continue
-            if not (self.reply_match == "position" and i in node.replies and theirs.get("role") == "assistant"):
+            if not (
+                self.reply_match == "position" and i in node.replies and theirs.get("role") == "assistant"
+            ):
                 return False
         return True
 
@@ -142,7 +149,9 @@ class Session:
         if base is not None:
             self.departures.append(f"call {self.calls + 1} continued an earlier call's reply (a fork)")
         elif last is not None and messages is not None:
-            k = next((i for i, (a, b) in enumerate(zip(last, messages)) if a != b), min(len(last), len(messages)))
+            k = next(
+                (i for i, (a, b) in enumerate(zip(last, messages)) if a != b), min(len(last), len(messages))
+            )
             self.departures.append(f"call {self.calls + 1} rewrote the history at message {k}")
         else:
             self.departures.append(f"call {self.calls + 1} started a new prompt")

@@ -46,7 +46,9 @@ def agent_result(value: object, where: str) -> dict[str, Any]:
     elif isinstance(value, Mapping):
         out = dict(value)
     else:
-        raise ValueError(f"{where} returned {type(value).__name__}; expected a number (the reward) or a dict with 'reward'")
+        raise ValueError(
+            f"{where} returned {type(value).__name__}; expected a number (the reward) or a dict with 'reward'"
+        )
     for key in ("reward", "success"):
         v = out.get(key)
         if v is None:
@@ -56,7 +58,10 @@ def agent_result(value: object, where: str) -> dict[str, Any]:
         except (TypeError, ValueError):
             raise ValueError(f"{where} returned {key}={v!r}; expected a number") from None
         if not math.isfinite(number) or (key == "success" and not 0 <= number <= 1):
-            raise ValueError(f"{where} returned {key}={v!r}; expected a finite number" + (" in [0, 1]" if key == "success" else ""))
+            raise ValueError(
+                f"{where} returned {key}={v!r}; expected a finite number"
+                + (" in [0, 1]" if key == "success" else "")
+            )
         out[key] = number
     return out
 
@@ -75,8 +80,13 @@ async def run_agents_async(
     import openai
 
     endpoint = AgentEndpoint(
-        plan.engine, plan.tokenizer, sampling=plan.sampling, open_sessions=False, model=model,
-        seed=plan.group_seed, reply_match=reply_match,
+        plan.engine,
+        plan.tokenizer,
+        sampling=plan.sampling,
+        open_sessions=False,
+        model=model,
+        seed=plan.group_seed,
+        reply_match=reply_match,
     )
     clients: list[Any] = []
     runs: list[AgentRun] = []
@@ -98,8 +108,12 @@ async def run_agents_async(
 
         runs.append(AgentRun(session=session, start=checked))
     rounds = AgentRounds(
-        plan.engine, runs, max_batch_size=max_batch_size, round_wait_s=round_wait_s,
-        step_timeout_s=plan.step_timeout_s, on_sample_error=plan.on_sample_error,
+        plan.engine,
+        runs,
+        max_batch_size=max_batch_size,
+        round_wait_s=round_wait_s,
+        step_timeout_s=plan.step_timeout_s,
+        on_sample_error=plan.on_sample_error,
     )
     endpoint.batcher = rounds
     await endpoint.start()
@@ -112,7 +126,9 @@ async def run_agents_async(
     trajectories, rows = [], []
     for run, sample in zip(runs, plan.samples, strict=True):
         filler = endpoint.chat.stop_token_ids[0]
-        for t in session_trajectories(run.session, branches, group=sample.group, status=run.status, filler=filler):
+        for t in session_trajectories(
+            run.session, branches, group=sample.group, status=run.status, filler=filler
+        ):
             info = t.infos
             info.conversation, info.index, info.seed = sample.id, sample.index, sample.seed
             info.stop_reason = run.reason
@@ -140,17 +156,33 @@ def session_trajectories(
     in its group, with nothing to learn from."""
     if status is Status.STOPPED and session.truncated:
         status = Status.TRUNCATED
-    stats = {"agent_calls": session.calls, "agent_branches": session.branches, "agent_departures": list(session.departures)}
+    stats = {
+        "agent_calls": session.calls,
+        "agent_branches": session.branches,
+        "agent_departures": list(session.departures),
+    }
     nodes = session.finals(branches)
     if not nodes:  # no call answered: nothing to train, the sample still counts in its group
         info = TrajectoryInfo(turns=0, extra=dict(stats))
-        return [Trajectory(token_ids=[filler], loss_mask=[0], rollout_logprobs=None, group=group, status=status, infos=info)]
+        return [
+            Trajectory(
+                token_ids=[filler],
+                loss_mask=[0],
+                rollout_logprobs=None,
+                group=group,
+                status=status,
+                infos=info,
+            )
+        ]
     out = []
     for node in nodes:
         messages = [dict(m) for m in node.messages or ()]
         replies = [str(m.get("content") or "") for m in messages if m.get("role") == "assistant"]
         info = TrajectoryInfo(
-            turns=session.calls, messages=messages, completion=replies[-1] if replies else "", extra=dict(stats)
+            turns=session.calls,
+            messages=messages,
+            completion=replies[-1] if replies else "",
+            extra=dict(stats),
         )
         out.append(
             assemble(node.ids, node.turns, participant="policy", group=group, status=status, infos=info)
@@ -201,8 +233,12 @@ class AgentTasks(TaskSource):
 
     def _run(self, rollouter: Rollouter, plan: RolloutPlan[object]) -> Rollout:
         return run_agents(
-            plan, self.agent, max_batch_size=rollouter.config.max_batch_size, branches=self.branches,
-            round_wait_s=self.round_wait_s, reply_match=self.reply_match,
+            plan,
+            self.agent,
+            max_batch_size=rollouter.config.max_batch_size,
+            branches=self.branches,
+            round_wait_s=self.round_wait_s,
+            reply_match=self.reply_match,
         )
 
     def run(self, rollouter: Rollouter, rows: Sequence[object], step: int) -> Rollout:
@@ -223,7 +259,10 @@ class AgentTasks(TaskSource):
 
     def describe(self) -> dict[str, object]:
         return {
-            "name": self.name, "agent": getattr(self.agent, "__qualname__", repr(self.agent)),
-            "rows": dict(self.source.describe()), "branches": self.branches, "reply_match": self.reply_match,
+            "name": self.name,
+            "agent": getattr(self.agent, "__qualname__", repr(self.agent)),
+            "rows": dict(self.source.describe()),
+            "branches": self.branches,
+            "reply_match": self.reply_match,
             "round_wait_s": self.round_wait_s,
         }

@@ -88,9 +88,10 @@ def agent_source(args: Args, rows: TaskSource) -> TaskSource:
     ):
         if given:
             raise ValueError(f"--agent runs the agent's own code: {flag} does not reach it (drop one)")
-    agent = load_object(la.agent, what="--agent")
+    agent = load_object(str(la.agent), what="--agent")
     if not callable(agent):
-        raise ValueError(f"--agent {la.agent}: {type(agent).__name__} is not callable; expected FN(client, row)")
+        kind = type(agent).__name__
+        raise ValueError(f"--agent {la.agent}: {kind} is not callable; expected FN(client, row)")
     return AgentTasks(
         agent,
         rows,
