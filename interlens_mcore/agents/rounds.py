@@ -29,6 +29,8 @@ from ..rollout.limits import _in_daemon_thread
 from ..rollout.outcome import OnSampleError, SampleErrors, failure_reason
 from ..rollout.round import Call, Driver, Need, generate_waves
 from ..types import Status
+from .defaults import ROUND_WAIT_S
+from .server import hand_out
 from .session import Session
 
 AgentFn = Callable[[Any, Any], Any]  # (client, row) -> reward | dict, sync or async
@@ -41,7 +43,6 @@ class AgentRun:
     session: Session
     start: Callable[[], Coroutine[Any, Any, object]]  # runs the agent to its result
     task: asyncio.Task[object] | None = None
-    waiting: int = 0  # calls of this agent the endpoint holds for the next engine call
     idle_since: float = field(default_factory=time.monotonic)  # since the endpoint last answered it
     status: Status = Status.RUNNING
     reason: str | None = None
@@ -61,9 +62,9 @@ class AgentRounds(Driver):
         runs: Sequence[AgentRun],
         *,
         max_batch_size: int | None = None,
-        round_wait_s: float = 2.0,
+        round_wait_s: float = ROUND_WAIT_S,
         step_timeout_s: float | None = None,
-        on_sample_error: OnSampleError = "skip",
+        on_sample_error: OnSampleError = "raise",  # as the other drivers; a rollout passes its own
     ):
         self.engine, self.runs = engine, list(runs)
         self.by_session = {r.session.id: r for r in self.runs}
@@ -71,7 +72,6 @@ class AgentRounds(Driver):
         self.step_timeout_s = step_timeout_s
         self.errors = SampleErrors(on_sample_error)
         self.engine_calls = 0  # generate calls made (waves), equal on every rank
-        self.rounds_rows: list[int] = []  # rows this rank brought to each round
         self._pending: list[tuple[AgentRun, list[GenerationRequest], asyncio.Future[list[Generation]]]] = []
         self._batch: list[tuple[AgentRun, list[GenerationRequest], asyncio.Future[list[Generation]]]] = []
         self._changed = asyncio.Event()
@@ -82,12 +82,10 @@ class AgentRounds(Driver):
         run = self.by_session[session.id]
         future: asyncio.Future[list[Generation]] = asyncio.get_running_loop().create_future()
         self._pending.append((run, requests, future))
-        run.waiting += 1
         self._changed.set()
         try:
             return await future
         finally:
-            run.waiting -= 1
             run.idle_since = time.monotonic()
 
     # -- the round's side ---------------------------------------------------------------------
@@ -108,7 +106,6 @@ class AgentRounds(Driver):
 
     def call(self, calls: list[Call]) -> None:
         requests = [r for _, reqs, _ in self._batch for r in reqs]
-        self.rounds_rows.append(len(requests))
         (call,) = calls  # one kind of call: the agents' engine
         waves, _ = call.waves(self.max_batch_size)
         try:
@@ -119,11 +116,7 @@ class AgentRounds(Driver):
             raise
         finally:
             self.engine_calls += waves
-        at = 0
-        for _, reqs, future in self._batch:
-            if not future.done():
-                future.set_result(out[at : at + len(reqs)])
-            at += len(reqs)
+        hand_out([(reqs, future) for _, reqs, future in self._batch], out)
         self._batch = []
 
     async def _settle(self) -> None:
@@ -131,9 +124,7 @@ class AgentRounds(Driver):
         await asyncio.sleep(0)  # agents answered by the last call resume before anything is counted
         while True:
             live = [r for r in self.runs if r.live and not (r.task is not None and r.task.done())]
-            # waiting: a call held for the next engine call (an answered call does not count,
-            # though its agent has not resumed yet)
-            held = {id(run) for run, _, future in self._pending if not future.done()}
+            held = self._held()
             if all(id(r) in held for r in live):
                 return
             self._changed.clear()
@@ -143,11 +134,16 @@ class AgentRounds(Driver):
                 self._timed_out(live)
                 return
 
+    def _held(self) -> set[int]:
+        """The agents waiting: a call held for the next engine call (an answered call does not
+        count, though its agent has not resumed yet)."""
+        return {id(run) for run, _, future in self._pending if not future.done()}
+
     def _wait_for(self, live: Sequence[AgentRun]) -> float:
         wait = self.round_wait_s
         if self.step_timeout_s is not None:
             now = time.monotonic()
-            held = {id(run) for run, _, future in self._pending if not future.done()}
+            held = self._held()
             busy = [self.step_timeout_s - (now - r.idle_since) for r in live if id(r) not in held]
             wait = min([wait, *busy]) if busy else wait
         return max(wait, 0.001)
@@ -157,7 +153,7 @@ class AgentRounds(Driver):
         if self.step_timeout_s is None:
             return False
         now, any_ = time.monotonic(), False
-        held = {id(run) for run, _, future in self._pending if not future.done()}
+        held = self._held()
         for r in live:
             if id(r) not in held and now - r.idle_since >= self.step_timeout_s and r.task is not None:
                 r.task.cancel()

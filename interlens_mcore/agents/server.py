@@ -41,8 +41,9 @@ from ..engines.base import Engine, Generation, GenerationRequest, SamplingParams
 from ..engines.sampler import mix_seed
 from ..tools.parser import HermesParser, ToolCallParser
 from . import protocol
+from .defaults import REPLY_MATCH, ReplyMatch
 from .protocol import BadRequest, CallSpec, Choice
-from .session import Node, Renderer, ReplyMatch, Session
+from .session import Node, Renderer, Session
 
 
 class Batcher(Protocol):
@@ -82,11 +83,18 @@ class DirectBatcher:
                     if not future.done():
                         future.set_exception(exc)
                 continue
-            at = 0
-            for reqs, future in batch:
-                if not future.done():
-                    future.set_result(out[at : at + len(reqs)])
-                at += len(reqs)
+            hand_out([(reqs, future) for reqs, future in batch], out)
+
+
+def hand_out(
+    batch: list[tuple[list[GenerationRequest], asyncio.Future[list[Generation]]]], out: list[Generation]
+) -> None:
+    """Give each call of `batch` its rows of `out` (the engine's answer, in batch order)."""
+    at = 0
+    for reqs, future in batch:
+        if not future.done():
+            future.set_result(out[at : at + len(reqs)])
+        at += len(reqs)
 
 
 @dataclasses.dataclass
@@ -119,7 +127,7 @@ class AgentEndpoint:
         parser: ToolCallParser | None = None,
         open_sessions: bool = True,
         seed: int = 0,
-        reply_match: ReplyMatch = "text",
+        reply_match: ReplyMatch = REPLY_MATCH,
     ):
         self.engine, self.tokenizer, self.model = engine, tokenizer, model
         self.chat = ChatFormat(tokenizer)
@@ -299,7 +307,7 @@ class AgentEndpoint:
             field = next((f for f in protocol.SAMPLING_FIELDS if f in str(exc)), None)
             raise BadRequest(str(exc), param=field) from None
 
-    def _choice(self, call: _Call, g: Generation) -> tuple[Choice, Node]:
+    def _choice(self, call: _Call, g: Generation) -> Choice:
         spec = call.spec
         text = self.chat.decode(list(g.token_ids))
         cuts = [i for i in (text.find(s) for s in spec.stop) if i != -1]
@@ -313,7 +321,7 @@ class AgentEndpoint:
             close = self.chat.close_ids("stop" if stopped else "length")
         else:
             message, history, close = {"content": text}, None, []
-        node = call.session.commit(
+        call.session.commit(
             call.base,
             call.context,
             call.opener,
@@ -326,7 +334,7 @@ class AgentEndpoint:
         )
         finish = "tool_calls" if parsed is not None and parsed.calls else g.finish_reason
         tokens = self.tokenizer.convert_ids_to_tokens(list(g.token_ids)) if spec.logprobs else []
-        return Choice(g, message, finish, [str(t) for t in tokens]), node
+        return Choice(g, message, finish, [str(t) for t in tokens])
 
     async def _answer(self, request: web.Request, call: _Call) -> web.StreamResponse:
         requests = self._requests(call)
@@ -334,7 +342,7 @@ class AgentEndpoint:
         if len(generations) != len(requests):
             raise RuntimeError(f"the engine returned {len(generations)} rows for {len(requests)}")
         session = call.session
-        choices = [self._choice(call, g)[0] for g in generations]
+        choices = [self._choice(call, g) for g in generations]
         session.calls += 1
         self.requests += 1
         rid = f"{'chatcmpl' if call.spec.kind == 'chat' else 'cmpl'}-{session.id}-{session.calls}"

@@ -20,17 +20,12 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 from ..chat import ChatFormat
 from ..tools.render import tools_system_text
 from ..types import TurnTokens
-
-Branches = Literal["last", "all"]
-# how a re-sent reply is recognised: its text must be the one returned ("text"), or any
-# assistant message where a sampled reply stood is taken for it ("position": for frameworks
-# that re-render replies in their own words, e.g. smolagents' "Calling tools: [...]")
-ReplyMatch = Literal["text", "position"]
+from .defaults import REPLY_MATCH, Branches, ReplyMatch
 
 
 class Renderer:
@@ -100,7 +95,7 @@ class Session:
 
     id: str
     seed: int = 0
-    reply_match: ReplyMatch = "text"
+    reply_match: ReplyMatch = REPLY_MATCH
     nodes: list[Node] = field(default_factory=list)
     calls: int = 0  # requests answered
     branches: int = 0  # requests that extended no leaf: a rewritten or forked history

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, get_args
 
 from ..engines.sampler import mix_seed
 from ..rollout.rollouter import Rollout, Rollouter, RolloutPlan
@@ -27,9 +27,10 @@ from ..rollout.round import run_rounds
 from ..tasks.base import TaskSource
 from ..tasks.dataset import PromptRow
 from ..types import Status, Trajectory, TrajectoryInfo, assemble
+from .defaults import BRANCHES, REPLY_MATCH, ROUND_WAIT_S, Branches, ReplyMatch
 from .rounds import AgentFn, AgentRounds, AgentRun, agent_call
 from .server import AgentEndpoint
-from .session import Branches, ReplyMatch, Session
+from .session import Session
 
 
 def agent_row(row: object) -> object:
@@ -71,9 +72,9 @@ async def run_agents_async(
     agent: AgentFn,
     *,
     max_batch_size: int | None = None,
-    branches: Branches = "last",
-    round_wait_s: float = 2.0,
-    reply_match: ReplyMatch = "text",
+    branches: Branches = BRANCHES,
+    round_wait_s: float = ROUND_WAIT_S,
+    reply_match: ReplyMatch = REPLY_MATCH,
     model: str = "policy",
 ) -> tuple[list[Trajectory], list[object], AgentRounds]:
     """Every sample of `plan` played by its agent (collective over the rollout group)."""
@@ -209,15 +210,15 @@ class AgentTasks(TaskSource):
         rows: TaskSource,
         *,
         name: str | None = None,
-        branches: Branches = "last",
-        round_wait_s: float = 2.0,
-        reply_match: ReplyMatch = "text",
+        branches: Branches = BRANCHES,
+        round_wait_s: float = ROUND_WAIT_S,
+        reply_match: ReplyMatch = REPLY_MATCH,
         success_threshold: float = 1.0,
     ):
-        if branches not in ("last", "all"):
-            raise ValueError(f"agent branches must be 'last' or 'all', got {branches!r}")
-        if reply_match not in ("text", "position"):
-            raise ValueError(f"agent reply match must be 'text' or 'position', got {reply_match!r}")
+        if branches not in get_args(Branches):
+            raise ValueError(f"agent branches must be one of {get_args(Branches)}, got {branches!r}")
+        if reply_match not in get_args(ReplyMatch):
+            raise ValueError(f"agent reply match must be one of {get_args(ReplyMatch)}, got {reply_match!r}")
         if not (isinstance(round_wait_s, (int, float)) and round_wait_s > 0 and math.isfinite(round_wait_s)):
             raise ValueError(f"agent round wait must be a number of seconds > 0, got {round_wait_s!r}")
         self.agent, self.source = agent, rows

@@ -22,6 +22,7 @@ from typing import Any, Literal, NoReturn, get_args, get_origin, get_type_hints
 
 from transformers import HfArgumentParser
 
+from interlens_mcore.agents import defaults as agent_defaults
 from interlens_mcore.cli.aliases import AliasError, alias_flags, aliases_of, rename_argv, rename_keys
 from interlens_mcore.grpo.loss.config import LossConfig
 from interlens_mcore.plugins import working_directory_importable
@@ -137,18 +138,19 @@ class LaunchConfig:
             "reward): run once per sample against the rollout's endpoint, on rows of --dataset or --task"
         },
     )
-    agent_branches: Literal["last", "all"] = field(
-        default="last", metadata={"help": "--agent: train the last call's history, or every branch"}
+    agent_branches: agent_defaults.Branches = field(
+        default=agent_defaults.BRANCHES,
+        metadata={"help": "--agent: train the last call's history, or every branch"},
     )
-    agent_reply_match: Literal["text", "position"] = field(
-        default="text",
+    agent_reply_match: agent_defaults.ReplyMatch = field(
+        default=agent_defaults.REPLY_MATCH,
         metadata={
             "help": "--agent: a re-sent reply must have the text returned (text), or any assistant "
             "message where a reply stood is taken for it (position: agents that re-word replies)"
         },
     )
     agent_round_wait_s: float = field(
-        default=2.0,
+        default=agent_defaults.ROUND_WAIT_S,
         metadata={"help": "--agent: how long a round waits for a busy agent to call before it generates"},
     )
 
