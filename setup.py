@@ -32,8 +32,9 @@ setup(
         # environment instead (it pins transformers<5.20): see .ci/vllm_stage.sh
         "vllm": ["vllm>=0.32"],  # the API used here (reload_weights, logprobs_mode) as of 0.32
         "logging": ["tensorboard>=2.16", "wandb>=0.18"],
-        # --agent: the OpenAI-compatible endpoint (aiohttp) and the client agents use
-        "agents": ["openai>=2.54,<3", "aiohttp>=3.9"],
+        # --agent: the OpenAI-compatible endpoint (aiohttp), the client agents use, and the agent
+        # libraries trained as written in the tests (smolagents; verifiers' environments)
+        "agents": ["openai>=2.54", "aiohttp>=3.9", "smolagents==1.26.0", "verifiers==0.3.1"],
         "swift": ["math-verify==0.9.0"],  # compat.swift.MathAccuracy (as "rewards")
         # everything but vLLM (its CPU build needs an environment of its own)
         "all": [
@@ -53,8 +54,10 @@ setup(
             "wandb>=0.18",
             "gguf>=0.10",
             "accelerate>=1.0",
-            "openai>=2.54,<3",
+            "openai>=2.54",
             "aiohttp>=3.9",
+            "smolagents==1.26.0",
+            "verifiers==0.3.1",
         ],
     },
 )
