@@ -2,10 +2,11 @@
 
 `facts_of(trajectory, reward, dataset)` is the only reader of `Trajectory.infos` among the step figures:
 the counters tasks and tools leave there (`invalid_moves` from textarena, `invalid_actions`
-from gymnasium, `tool_calls` / `tool_valid_calls` / `tool_errors` from a `ToolEnvironment`)
-become typed fields. `sample_figures` turns every rank's facts into the per-step metrics:
+from gymnasium, `tool_calls` / `tool_valid_calls` / `tool_errors` from a `ToolEnvironment`, `agent_calls` / `agent_branches` from an `--agent` session) become
+typed fields. `sample_figures` turns every rank's facts into the per-step metrics:
 completion lengths and the share cut at the token cap, groups with zero reward variance,
-invalid moves and actions, tool calls, and the reward per dataset of a task mix.
+invalid moves and actions, tool calls, an agent's endpoint calls and history branches, and the
+reward per dataset of a task mix.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class SampleFacts:
     # them; None: no tools were offered
     tools: dict[str, int] | None
     dataset: str | None  # the dataset of a task mix the sample's row came from
+    # an --agent session's endpoint calls and the branches its history rewrites opened (None: no agent)
+    agent: tuple[int, int] | None = None
     judge_unparsed: int | None = None  # 1: --judge-model's reply held no score (None: no judge)
 
 
@@ -60,6 +63,8 @@ def facts_of(t: Trajectory, reward: float, dataset: str | None = None) -> Sample
     tools = None
     if "tool_calls" in info:  # a ToolEnvironment set its counters: tools were offered
         tools = {k: _count(info.get(k)) or 0 for k in (*TOOL_COUNTERS, "turns")}
+    calls = _count(info.get("agent_calls"))
+    agent = None if calls is None else (calls, _count(info.get("agent_branches")) or 0)
     success, outcome = info.success, info.outcome
     win = float(outcome[t.participant]) if outcome is not None and t.participant in outcome else None
     return SampleFacts(
@@ -77,6 +82,7 @@ def facts_of(t: Trajectory, reward: float, dataset: str | None = None) -> Sample
         ended_invalid=ended,
         tools=tools,
         dataset=dataset,
+        agent=agent,
         judge_unparsed=_count(info.get("judge_unparsed")),
     )
 
@@ -120,6 +126,10 @@ def sample_figures(parts: Sequence[Sequence[SampleFacts]]) -> dict[str, float]:
         out["invalid/ended_fraction"] = _mean([f.ended_invalid for f in invalid])
     # tool/calls_per_sample, tool/valid_fraction, tool/errors_per_sample, turns_per_sample
     out.update(tool_metrics([f.tools for f in facts if f.tools is not None]))
+    agents = [f.agent for f in facts if f.agent is not None]
+    if agents:  # --agent: what the agents asked of the endpoint
+        out["agent/calls_per_sample"] = _mean([c for c, _ in agents])
+        out["agent/branches_per_sample"] = _mean([b for _, b in agents])
     out.update(dataset_rewards(facts))
     return out
 

@@ -96,6 +96,13 @@ def test_tool_figures_only_when_tools_were_offered():
     assert not any(k.startswith("tool/") for k in sample_figures([_facts(_traj())]))
 
 
+def test_agent_figures_from_the_sessions_counts_only_for_agents():
+    facts = _facts(_traj(agent_calls=3, agent_branches=1), _traj(agent_calls=0, agent_branches=0))
+    out = sample_figures([facts])
+    assert out["agent/calls_per_sample"] == 1.5 and out["agent/branches_per_sample"] == 0.5
+    assert not any(k.startswith("agent/") for k in sample_figures([_facts(_traj())]))
+
+
 @dataclass
 class _Row:
     name: str

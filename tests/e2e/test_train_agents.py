@@ -1,0 +1,59 @@
+"""`--agent MODULE:FN` under torchrun: agents written against the OpenAI API (the OpenAI Agents SDK,
+the plain `openai` client) train as written, through each rank's endpoint."""
+
+from __future__ import annotations
+
+import json
+
+from support.launch import ROOT, SMALL, all_records, metrics, torchrun
+
+
+def _check(out, steps: int = 3) -> list[dict]:
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == list(range(steps))
+    evals = [r for r in all_records(out) if "eval/success_rate" in r]
+    assert [r["step"] for r in evals] == [0, steps]  # before training and after it
+    assert all(0.0 <= r["eval/success_rate"] <= 1.0 for r in evals)
+    return rows
+
+
+def test_an_agents_sdk_agent_trains(tmp_path):
+    out = tmp_path / "run"
+    agent = ROOT / "launch" / "agents" / "sdk_guess_agent.py"
+    res = torchrun("--agent", f"{agent}:play", "--steps", "3", "--output-dir", str(out), *SMALL)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = _check(out)
+    # the SDK re-sends the whole conversation each call: every call after the first extends the
+    # session's last one (no branch), and a game takes more than one call
+    assert all(r["agent/branches_per_sample"] == 0 for r in rows)
+    assert max(r["agent/calls_per_sample"] for r in rows) > 1
+    # what was trained is the game as the agent played it: its guesses, the hints it wrote
+    texts = [json.loads(line)["text"] for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert texts and any("higher: between" in t or "lower: between" in t for t in texts)
+
+
+SYNC_AGENT = '''
+def solve(client, row):  # a plain function: it gets an openai.OpenAI client
+    reply = client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": row["question"]}], max_tokens=4
+    )
+    said = reply.choices[0].message.content.strip()
+    right = said == str(row["answer"])
+    return {"reward": float(right) + 0.1 * said.isdigit(), "success": float(right)}
+'''
+
+
+def test_a_sync_agent_on_dataset_rows(tmp_path):
+    data = tmp_path / "sums.jsonl"
+    rows = [{"question": f"what is {i} + {i}?", "answer": 2 * i} for i in range(40)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "myagent.py").write_text(SYNC_AGENT)
+    out = tmp_path / "run"
+    args = ["--agent", "myagent:solve", "--dataset", str(data), "--prompt-column", "question"]
+    args += ["--steps", "3", "--output-dir", str(out)]
+    res = torchrun(*args, *SMALL, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows_logged = _check(out)
+    assert all(r["agent/calls_per_sample"] == 1 for r in rows_logged)
+    run = json.loads((out / "run.json").read_text())
+    assert run["task_source"]["agent"] == "solve" and run["task_source"]["rows"]["name"]
