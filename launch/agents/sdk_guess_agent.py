@@ -22,7 +22,8 @@ async def play(client, game):
         model=OpenAIChatCompletionsModel(model="policy", openai_client=client),
         model_settings=ModelSettings(max_tokens=8),
     )
-    history, guesses = [{"role": "user", "content": f"guess the number between {game.low} and {game.high}"}], []
+    history = [{"role": "user", "content": f"guess the number between {game.low} and {game.high}"}]
+    guesses: list[int | None] = []
     for _ in range(game.max_guesses):
         result = await Runner.run(agent, history, max_turns=1)
         found = re.search(r"-?\d+", str(result.final_output))
@@ -31,5 +32,6 @@ async def play(client, game):
         if state.solved_at is not None:
             break
         hint = "higher" if (guesses[-1] or 0) < game.secret else "lower"
-        history = result.to_input_list() + [{"role": "user", "content": f"{hint}: between {state.low} and {state.high}"}]
+        reply = {"role": "user", "content": f"{hint}: between {state.low} and {state.high}"}
+        history = result.to_input_list() + [reply]
     return {"reward": game_reward(game, state), "success": float(state.solved_at is not None)}
