@@ -1,12 +1,13 @@
 """What a step's figures read of each sample, in one place, and the figures made from it.
 
-`facts_of(trajectory, reward, dataset)` is the only reader of `Trajectory.infos` among the step figures:
-the counters tasks and tools leave there (`invalid_moves` from textarena, `invalid_actions`
-from gymnasium, `tool_calls` / `tool_valid_calls` / `tool_errors` from a `ToolEnvironment`,
-`agent_calls` / `agent_branches` from an `--agent` session) become typed fields. `sample_figures` turns every rank's facts into the per-step
-metrics: completion lengths and the share cut at the token cap, groups with zero reward variance,
-invalid moves and actions, tool calls, an agent's endpoint calls and history branches, and the
-reward per dataset of a task mix.
+`facts_of(trajectory, reward, dataset)` is the only reader of `Trajectory.infos` among the step
+figures: the counters tasks and tools leave there (`invalid_moves` from textarena,
+`invalid_actions` from gymnasium, `tool_calls` / `tool_valid_calls` / `tool_errors` from a
+`ToolEnvironment`, `agent_calls` / `agent_branches` from an `--agent` session) become typed
+fields. `sample_figures` turns every rank's facts into the per-step metrics: completion lengths
+and the share cut at the token cap, groups with zero reward variance, invalid moves and actions,
+tool calls, an agent's endpoint calls and history branches, and the reward per dataset of a task
+mix.
 """
 
 from __future__ import annotations
