@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 
 from interlens_mcore import distributed
 from interlens_mcore.cli import defaults, sizes
-from interlens_mcore.cli.args import Args, UsageError, flagify
+from interlens_mcore.cli.args import Args, LaunchConfig, UsageError, flagify
 from interlens_mcore.distributed.safe_load import UnsafeCheckpoint, check_dcp
 from interlens_mcore.grpo.rewards import environment_reward, reward_name
 from interlens_mcore.plugins import load_object
@@ -57,6 +58,10 @@ def base_source(args: Args) -> TaskSource:
     try:
         if la.gym_env is not None and la.multi_turn_scheduler is None:
             raise ValueError("--gym-env names the environment of a --multi-turn-scheduler: give one")
+        if la.agent is None:
+            for flag, value, default in agent_options(la):
+                if value != default:
+                    raise ValueError(f"{flag} applies to the agent of --agent MODULE:FN: give one")
         if la.multi_turn_scheduler is not None:
             source = swift_source(args)
         elif la.dataset is not None:
@@ -76,11 +81,25 @@ def base_source(args: Args) -> TaskSource:
     return source
 
 
+def agent_options(la: LaunchConfig) -> tuple[tuple[str, object, object], ...]:
+    """(flag, value, default) of the options that shape --agent's rollouts."""
+    from interlens_mcore.agents import defaults
+
+    return (
+        ("--agent-branches", la.agent_branches, defaults.BRANCHES),
+        ("--agent-reply-match", la.agent_reply_match, defaults.REPLY_MATCH),
+        ("--agent-round-wait-s", la.agent_round_wait_s, defaults.ROUND_WAIT_S),
+    )
+
+
 def agent_source(args: Args, rows: TaskSource) -> TaskSource:
     """--agent MODULE:FN playing the rows of `rows` (--dataset or --task) through the endpoint."""
     from interlens_mcore.agents.task import AgentTasks
 
     la = args.launch
+    wait = la.agent_round_wait_s
+    if not (wait > 0 and math.isfinite(wait)):
+        raise ValueError(f"--agent-round-wait-s must be a number of seconds > 0, got {wait:g}")
     for flag, given in (
         ("--tools", la.tools is not None),
         ("--multi-turn-scheduler", la.multi_turn_scheduler is not None),

@@ -57,3 +57,23 @@ def test_a_sync_agent_on_dataset_rows(tmp_path):
     assert all(r["agent/calls_per_sample"] == 1 for r in rows_logged)
     run = json.loads((out / "run.json").read_text())
     assert run["task_source"]["agent"] == "solve" and run["task_source"]["rows"]["name"]
+
+
+def test_the_readme_agent_is_the_launch_file():
+    # the README's agent is launch/agents/guess_agent.py's code, which
+    # test_the_readme_agent_trains runs: what it shows is what trains
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Agents written against the OpenAI API", 1)[1]
+    block = section.split("```python\n", 1)[1].split("```", 1)[0]
+    code = (ROOT / "launch" / "agents" / "guess_agent.py").read_text()
+    assert block == code[code.index("import re") :]
+    assert "--agent launch/agents/guess_agent.py:play" in section
+
+
+def test_the_readme_agent_trains(tmp_path):
+    out = tmp_path / "run"
+    agent = ROOT / "launch" / "agents" / "guess_agent.py"
+    res = torchrun("--agent", f"{agent}:play", "--steps", "2", "--output-dir", str(out), *SMALL)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = _check(out, steps=2)
+    assert all(r["agent/branches_per_sample"] == 0 for r in rows)

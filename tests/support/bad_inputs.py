@@ -21,6 +21,7 @@ CAUSAL_LM = '{"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}'
 CLASSIFIER = (
     '{"architectures": ["Qwen2ForSequenceClassification"], "model_type": "qwen2", "id2label": {"0": "s"}}'
 )
+AGENT = "LIMIT = 3\n\n\nasync def play(client, row):\n    return 0.0\n"
 FACTORY = "def make():\n    raise RuntimeError('boom')\n\n\ndef not_a_task():\n    return 5\n"
 
 
@@ -506,6 +507,39 @@ SECTIONS: list[tuple[str, list[Refusal]]] = [
                 "--gym-env 'math_env': no environment of that name (registered: none); register one in a "
                 "--external-plugins file's envs dict",
                 files=(("rows.jsonl", SWIFT_ROWS),),
+            ),
+        ],
+    ),
+    (
+        "Agents (--agent)",
+        [
+            Refusal(
+                "an --agent module that does not import",
+                ("--agent", "nomodule:play"),
+                "--agent: cannot import 'nomodule' (No module named 'nomodule'); is it on PYTHONPATH?",
+            ),
+            Refusal(
+                "an --agent that is not a function",
+                ("--agent", "{tmp}/agent.py:LIMIT"),
+                "--agent {tmp}/agent.py:LIMIT: int is not callable; expected FN(client, row)",
+                files=(("agent.py", AGENT),),
+            ),
+            Refusal(
+                "--tools beside --agent",
+                ("--agent", "{tmp}/agent.py:play", "--tools", "interlens_mcore.tools.examples:calculator"),
+                "--agent runs the agent's own code: --tools does not reach it (drop one)",
+                files=(("agent.py", AGENT),),
+            ),
+            Refusal(
+                "an --agent option without --agent",
+                ("--agent-branches", "all"),
+                "--agent-branches applies to the agent of --agent MODULE:FN: give one",
+            ),
+            Refusal(
+                "a round wait of no time",
+                ("--agent", "{tmp}/agent.py:play", "--agent-round-wait-s", "0"),
+                "--agent-round-wait-s must be a number of seconds > 0, got 0",
+                files=(("agent.py", AGENT),),
             ),
         ],
     ),
