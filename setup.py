@@ -32,9 +32,9 @@ setup(
         # environment instead (it pins transformers<5.20): see .ci/vllm_stage.sh
         "vllm": ["vllm>=0.32"],  # the API used here (reload_weights, logprobs_mode) as of 0.32
         "logging": ["tensorboard>=2.16", "wandb>=0.18"],
-        # --agent: the OpenAI-compatible endpoint (aiohttp), the client agents use, and the agent
-        # libraries trained as written in the tests (smolagents; verifiers' environments)
-        "agents": ["openai>=2.54", "aiohttp>=3.9", "smolagents==1.26.0", "verifiers==0.3.1"],
+        # --agent: the OpenAI-compatible endpoint (aiohttp), the client agents use, the OpenAI
+        # Agents SDK (launch/agents/sdk_guess_agent.py); verifiers' environments (--task verifiers:...)
+        "agents": ["openai>=2.54", "aiohttp>=3.9", "openai-agents>=0.24,<1", "verifiers==0.3.1"],
         "swift": ["math-verify==0.9.0"],  # compat.swift.MathAccuracy (as "rewards")
         # everything but vLLM (its CPU build needs an environment of its own)
         "all": [
@@ -56,7 +56,7 @@ setup(
             "accelerate>=1.0",
             "openai>=2.54",
             "aiohttp>=3.9",
-            "smolagents==1.26.0",
+            "openai-agents>=0.24,<1",
             "verifiers==0.3.1",
         ],
     },
