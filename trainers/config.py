@@ -14,6 +14,7 @@ from typing import Literal
 from .backends.registry import BACKENDS
 
 REPORTERS = ("jsonl", "tensorboard", "wandb")
+MAX_EXTRA_ROUNDS = 3  # --dynamic-sampling's cap, ms-swift's max_resample_times default
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +51,20 @@ class TrainerConfig:
         metadata={
             "help": "micro-batches whose gradients make one optimizer step: a rank's trajectories of a "
             "step split in N equal parts (sets --micro-batch-size; 0: from --micro-batch-size)"
+        },
+    )
+    dynamic_sampling: bool = field(
+        default=False,
+        metadata={
+            "help": "refill the batch: prompts whose samples all got one reward are replaced by more "
+            "prompts, rolled out in extra rounds (verl filter_groups, ms-swift dynamic_sample)"
+        },
+    )
+    max_extra_rounds: int = field(
+        default=MAX_EXTRA_ROUNDS,
+        metadata={
+            "help": "--dynamic-sampling: rounds a step may add; a step still short after them fills up "
+            "with its uninformative prompts"
         },
     )
     save_every: int = field(
@@ -108,9 +123,13 @@ class TrainerConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainerConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("eval_every", "log_completions_every", "log_completions", "warmup_steps"):
+        counts = ("eval_every", "log_completions_every", "log_completions", "warmup_steps")
+        for name in (*counts, "max_extra_rounds"):
             if getattr(self, name) < 0:
                 raise ValueError(f"TrainerConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_extra_rounds != MAX_EXTRA_ROUNDS and not self.dynamic_sampling:
+            what = "TrainerConfig.max_extra_rounds caps the rounds of --dynamic-sampling"
+            raise ValueError(f"{what}: give it too")
         for name in ("lr", "weight_decay", "grad_clip"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"TrainerConfig.{name} must be a finite number, got {getattr(self, name)}")

@@ -43,7 +43,7 @@ from interlens_mcore.rollout.rollouter import (
 )
 from interlens_mcore.tasks import TaskSource
 
-from . import preemption, rundir, state
+from . import dynamic, preemption, rundir, state
 from .backends.base import Backend
 from .config import TrainerConfig
 from .report import record
@@ -54,6 +54,7 @@ from .schedule import lr_at
 from .update import update
 
 _EVAL_SEED = 0x65
+_EXTRA_ROWS = 0x78  # folded with a dynamic-sampling round's number into its rows' seed
 
 
 T = TypeVar("T")
@@ -224,13 +225,40 @@ class GRPOTrainer:
         """One rollout and its `updates_per_rollout` optimizer steps; returns (record, rollout)."""
         t0 = time.perf_counter()
         rollout, components = self.together("rollout", self.scored_rollout, self.step)
+        refilled: dict[str, float] = {}
+        if self.config.dynamic_sampling:
+            rollout, components, refilled = self.refilled(rollout, components)
         with distributed.stage("failed samples"):
             failures = step_failures(rollout.trajectories, self.step)
         # before the update: a step whose samples mostly failed trains nothing (every rank raises)
         failures.check(self.config.max_failed_fraction)
         with distributed.stage("update"):
             rec = self.update_and_record(rollout, components, t0)
-        return {**rec, **failures.figures()}, rollout
+        return {**rec, **failures.figures(), **refilled}, rollout
+
+    def refilled(
+        self, rollout: Rollout, components: dict[str, list[float | None]]
+    ) -> tuple[Rollout, dict[str, list[float | None]], dict[str, float]]:
+        """Extra rounds until every rank has its prompts' worth of informative ones, or the cap
+        (trainers/dynamic.py); the rounds' count agreed over the world, after each world check."""
+        quota = self.config.batch_size // self.rollout_config.num_generations
+        rounds = [(rollout, components)]
+        extra = 0
+        while True:
+            short = dynamic.shortfall([r for r, _ in rounds], quota)
+            worst = distributed.all_reduce(torch.tensor([short], dtype=torch.int64), "max")
+            if int(worst[0]) == 0 or extra == self.config.max_extra_rounds:
+                break
+            extra += 1
+            self.rollouter.extra_round = extra
+            try:
+                rounds.append(self.together("rollout", self.scored_rollout, self.step))
+            finally:
+                self.rollouter.extra_round = 0
+        batch, parts, kept = dynamic.refill(rounds, quota)
+        kept_all = distributed.all_reduce(torch.tensor([kept], dtype=torch.int64), "sum")
+        figures = {"dynamic/extra_rounds": float(extra), "dynamic/kept_groups": float(kept_all[0])}
+        return batch, parts, figures
 
     def update_and_record(
         self, rollout: Rollout, components: dict[str, list[float | None]], t0: float
@@ -305,7 +333,8 @@ class GRPOTrainer:
     def scored_rollout(self, step: int) -> tuple[Rollout, dict[str, list[float | None]]]:
         """This rank's rollout of `step` with rewards and advantages set, and each reward's values."""
         cfg, rcfg = self.config, self.rollout_config
-        seed = mix_seed(rcfg.seed, step, self.groups.rank)
+        extra = self.rollouter.extra_round  # a dynamic-sampling round draws rows of its own
+        seed = mix_seed(rcfg.seed, step, self.groups.rank, *((_EXTRA_ROWS, extra) if extra else ()))
         rows = self.tasks.rows(cfg.batch_size // rcfg.num_generations, seed=seed)
         rollout = self.tasks.run(self.rollouter, rows, step)
         totals, components = self.rewards.score(rollout.trajectories, rollout.rows, step=step)

@@ -41,6 +41,7 @@ R = TypeVar("R")
 R_co = TypeVar("R_co", covariant=True)  # a sample of a dict row is a sample of an object
 
 _EVAL_SALT = 0x6576616C  # folded into evaluation seeds, so they never repeat a training step's
+_EXTRA_SALT = 0x78747261  # folded with a dynamic-sampling round's number into its seeds
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -237,6 +238,8 @@ class Rollouter:
         self.engine, self.tokenizer, self.groups, self.config = engine, tokenizer, groups, config
         self.frozen_seats, self._frozen_engine_fn = tuple(frozen_seats), frozen_engine
         self._policies: dict[tuple[str, bool], Policy] = {}
+        # a step's extra round of dynamic sampling (trainers/dynamic.py): 0 for the step's own
+        self.extra_round = 0
         # the task's own stop strings (a tool call's closing tag) join the configured ones
         sampling = config.sampling
         self.sampling = dataclasses.replace(sampling, stop=tuple(dict.fromkeys([*sampling.stop, *stop])))
@@ -279,14 +282,15 @@ class Rollouter:
         the samples of a plan, so a row's samples get the same seeds, indices and ids on each.
         """
         cfg, salt = self.config, (_EVAL_SALT,) if evaluation else ()
-        stream = (cfg.seed, step, *salt)
+        extra = self.extra_round if not evaluation else 0
+        stream = (cfg.seed, step, *salt, *((_EXTRA_SALT, extra) if extra else ()))
         return RolloutPlan(
             samples=expand_rows(
                 rows,
                 num_generations=1 if evaluation else cfg.num_generations,
                 rank=self.groups.rank,
                 stream=stream,
-                tag=f"eval{step}" if evaluation else f"s{step}",
+                tag=f"eval{step}" if evaluation else f"s{step}" + (f"x{extra}" if extra else ""),
             ),
             group_seed=mix_seed(*stream),
             engine=self.engine,

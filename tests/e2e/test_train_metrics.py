@@ -14,9 +14,11 @@ def brevity(trajectories, rows):
     return [1.0 if len(t.infos["completion"]) < 4 else 0.0 for t in trajectories]
 """
 
-# between them the two runs meet every condition a documented key needs: several reward
-# functions, two trained seats and invalid moves (textarena self-play); tools and a task mix
+# between them the runs meet every condition a documented key needs: several reward functions,
+# two trained seats and invalid moves (textarena self-play); tools and a task mix; an --agent
+# with dynamic sampling
 RUNS = {
+    "agent+dynamic": ["--agent", f"{ROOT}/launch/agents/guess_agent.py:play", "--dynamic-sampling"],
     "selfplay": [
         "--task",
         "textarena:TicTacToe-v0",

@@ -511,6 +511,21 @@ SECTIONS: list[tuple[str, list[Refusal]]] = [
         ],
     ),
     (
+        "Dynamic sampling",
+        [
+            Refusal(
+                "--max-extra-rounds without --dynamic-sampling",
+                ("--max-extra-rounds", "5"),
+                "--max-extra-rounds caps the rounds of --dynamic-sampling: give it too",
+            ),
+            Refusal(
+                "a negative --max-extra-rounds",
+                ("--dynamic-sampling", "--max-extra-rounds", "-1"),
+                "--max-extra-rounds must be >= 0, got -1",
+            ),
+        ],
+    ),
+    (
         "Agents (--agent)",
         [
             Refusal(
