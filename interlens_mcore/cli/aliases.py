@@ -21,6 +21,7 @@ ALIASES: dict[str, str] = {
     "save_steps": "save_every",
     "eval_steps": "eval_every",
     "system": "system_prompt",  # ms-swift's --system
+    "overlong_filter": "mask_truncated_completions",  # ms-swift's name of TRL's option
     "dynamic_sample": "dynamic_sampling",  # ms-swift's; verl's algorithm.filter_groups.enable
     "max_resample_times": "max_extra_rounds",  # ms-swift's; verl's filter_groups.max_num_gen_batches - 1
 }

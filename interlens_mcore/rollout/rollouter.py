@@ -76,6 +76,13 @@ class RolloutConfig:
     drop_zero_variance: bool = field(
         default=False, metadata={"help": "leave out groups whose rewards are all equal"}
     )
+    mask_truncated_completions: bool = field(
+        default=False,
+        metadata={
+            "help": "leave out of the loss every sample whose last reply hit --max-new-tokens or whose "
+            "conversation outgrew the context (they still count in their group's baseline)"
+        },
+    )
     micro_batch_size: int = field(
         default=0, metadata={"help": "trajectories per forward/backward (0: all of a rank's)"}
     )
@@ -520,7 +527,16 @@ def rollout_advantages(
             drop_zero_variance=config.drop_zero_variance,
         )
         adv[used], keep[used] = a, k
+    if config.mask_truncated_completions:  # TRL's mask_truncated_completions, ms-swift's overlong_filter
+        keep &= torch.tensor([not cut_short(t) for t in trajectories], dtype=torch.bool)
     return adv, keep
+
+
+def cut_short(t: Trajectory) -> bool:
+    """Whether the sample ended cut off: its last trained reply at the token cap, or its
+    conversation past the context."""
+    trained = [span for span in t.turns if span.trained]
+    return t.status is Status.TRUNCATED or bool(trained and trained[-1].finish_reason == "length")
 
 
 def _reward(t: Trajectory) -> float:
