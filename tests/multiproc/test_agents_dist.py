@@ -6,13 +6,15 @@ over the gloo group.
 Ranks whose agents make different numbers of calls (none at all on one) finish with the same
 number of engine calls; each sample's trajectory holds, turn by turn, the ids the engine sampled;
 an agent raising on rank 1 fails both ranks with its message ("raise") or only its sample
-("skip"); an agent that hangs ends TIMEOUT. `run_ranks`'s deadline turns a hang into a failure.
+("skip"); an agent that hangs ends TIMEOUT, and a sync agent's thread that calls after its time
+limit is refused. `run_ranks`'s deadline turns a hang into a failure.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 from support.dist import run_ranks
 
@@ -61,6 +63,56 @@ def sync_agent(client, row):
 
 AGENTS = {"async": async_agent, "sync": sync_agent}
 
+# A late agent outlives its time limit; a steady one calls, briefly apart, until the late one is
+# through, so the rollout still runs when the late one calls; a "once" agent calls once.
+LATE_DONE = threading.Event()
+LATE: dict[str, str] = {}  # what the late agent's call got, in this rank's process
+GAP_S = STEP_TIMEOUT_S / 6  # between a steady agent's calls: well inside the time limit
+CALLS = {"late": 0, "once": 1, "steady": 200}  # the most calls of each kind (after the late one's)
+
+
+def _late_ask(row):
+    return {"model": "policy", "messages": [{"role": "user", "content": row["prompt"]}], "max_tokens": 2}
+
+
+async def async_late(client, row):
+    calls = 0
+    if row["kind"] == "late":
+        try:  # cancelled at the time limit: it never calls
+            await asyncio.sleep(2 * STEP_TIMEOUT_S)
+            await client.chat.completions.create(**_late_ask(row))
+            LATE["answer"] = "answered"
+        finally:
+            LATE_DONE.set()
+    while calls < CALLS[row["kind"]] and not (row["kind"] == "steady" and LATE_DONE.is_set()):
+        await client.chat.completions.create(**_late_ask(row))
+        calls += 1
+        await asyncio.sleep(GAP_S)
+    return {"reward": float(calls), "steady": calls}
+
+
+def sync_late(client, row):
+    import openai
+
+    calls = 0
+    if row["kind"] == "late":
+        time.sleep(2 * STEP_TIMEOUT_S)  # its thread runs on past the time limit, then calls
+        try:
+            client.chat.completions.create(**_late_ask(row))
+            LATE["answer"] = "answered"
+        except openai.APIStatusError as exc:
+            LATE["answer"] = f"{exc.status_code} {exc.body}"
+        finally:
+            LATE_DONE.set()
+    while calls < CALLS[row["kind"]] and not (row["kind"] == "steady" and LATE_DONE.is_set()):
+        client.chat.completions.create(**_late_ask(row))
+        calls += 1
+        time.sleep(GAP_S)
+    return {"reward": float(calls), "steady": calls}
+
+
+LATE_AGENTS = {"async": async_late, "sync": sync_late}
+
 
 class Recording:
     """Spy around the real engine: rows per generate call, and each row's generation by tag."""
@@ -78,7 +130,7 @@ class Recording:
         return out
 
 
-def _rollouts(rank, world, tiny_path, rows_by_rank, on_sample_error, step_timeout_s):
+def _rollouts(rank, world, tiny_path, rows_by_rank, on_sample_error, step_timeout_s, agents=AGENTS):
     """Both agents (async, then sync) over this rank's rows; what each rollout gave, picklable."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -93,12 +145,14 @@ def _rollouts(rank, world, tiny_path, rows_by_rank, on_sample_error, step_timeou
         num_generations=1, max_new_tokens=4, on_sample_error=on_sample_error, step_timeout_s=step_timeout_s
     )
     rollouter = Rollouter(engine=engine, tokenizer=tok, groups=groups, config=config)
-    report = {}
-    for step, flavor in enumerate(AGENTS):
+    report: dict[str, dict[str, object]] = {}
+    for step, flavor in enumerate(agents):
         engine.calls, engine.sampled = [], {}
+        LATE_DONE.clear()
+        LATE.clear()
         plan = rollouter.plan(rows_by_rank[rank], step)
         try:
-            trajectories, _, rounds = asyncio.run(run_agents_async(plan, AGENTS[flavor]))
+            trajectories, _, rounds = asyncio.run(run_agents_async(plan, agents[flavor]))
         except RolloutError as exc:
             report[flavor] = {"error": f"{type(exc).__name__}: {exc}", "engine": list(engine.calls)}
             continue
@@ -114,6 +168,7 @@ def _rollouts(rank, world, tiny_path, rows_by_rank, on_sample_error, step_timeou
                     "calls": t.infos.extra["agent_calls"],
                     "agent_ids": t.infos.extra.get("ids"),
                     "client": t.infos.extra.get("client"),
+                    "steady": t.infos.extra.get("steady"),
                     "token_ids": t.token_ids,
                     "loss_mask": t.loss_mask,
                     "logprobs": t.rollout_logprobs,
@@ -125,6 +180,7 @@ def _rollouts(rank, world, tiny_path, rows_by_rank, on_sample_error, step_timeou
             "engine": list(engine.calls),
             "sampled": dict(engine.sampled),
             "samples": samples,
+            "late": LATE.get("answer"),
         }
     return report
 
@@ -136,7 +192,7 @@ def _check_turns(sample, sampled, n):
     assert len(sample["spans"]) == n and all(trained for _, _, trained in sample["spans"])
     ids, mask = sample["token_ids"], sample["loss_mask"]
     engine_ids = [sampled[f"{sample['id']}/call{k + 1}/choice0"] for k in range(n)]
-    in_spans = set()
+    in_spans: set[int] = set()
     for (start, end, _), (want, _) in zip(sample["spans"], engine_ids, strict=True):
         trained = [ids[i] for i in range(start, end) if mask[i]]
         assert trained == want, sample["id"]
@@ -262,3 +318,24 @@ def test_a_hanging_agent_times_out_and_both_ranks_finish(tiny_path):
         _check_turns(once, r1["sampled"], 1)
         assert fine["status"] == "stopped"
         _check_turns(fine, r1["sampled"], 3)
+
+
+def test_a_timed_out_agent_calling_late_is_refused(tiny_path):
+    rows = {
+        0: [{"prompt": "r0 a", "kind": "once"}],
+        1: [{"prompt": "r1 late", "kind": "late"}, {"prompt": "r1 steady", "kind": "steady"}],
+    }
+    results = run_ranks(_rollouts, 2, str(tiny_path), rows, "raise", STEP_TIMEOUT_S, LATE_AGENTS, timeout=240)
+    for flavor in LATE_AGENTS:
+        r0, r1 = results[0][flavor], results[1][flavor]
+        assert "error" not in r0 and "error" not in r1, (r0.get("error"), r1.get("error"))
+        late, steady = r1["samples"]
+        assert late["status"] == "timeout" and late["calls"] == 0
+        _check_no_calls(late)  # nothing the late call could have sampled reached its trajectory
+        assert steady["status"] == "stopped" and steady["steady"] >= 1
+        assert sum(r1["engine"]) == steady["steady"] and r0["engine_calls"] == r1["engine_calls"]
+        if flavor == "sync":  # the thread outlived the time limit and called: refused
+            assert r1["late"] is not None and r1["late"].startswith("409 ")
+            assert "session_ended" in r1["late"] and "has ended (timeout: agent made no call" in r1["late"]
+        else:  # the coroutine was cancelled at the time limit, before its call
+            assert r1["late"] is None
