@@ -11,8 +11,10 @@ waiting agent taking part with no rows. So ranks whose agents make different num
 calls never deadlock, and one rank's failure is every rank's error.
 
 An agent that neither calls nor finishes for `step_timeout_s` is cancelled and its sample
-ends TIMEOUT. An agent that raises ends its sample FAILED ("agent: <ExcType>: <text>"); with
-`on_sample_error="raise"` its error also fails the rollout on every rank.
+ends TIMEOUT; a sync agent's thread cannot be stopped, so a call it makes later is refused
+(409, "session_ended") and reaches neither the engine nor the sample's tokens. An agent that
+raises ends its sample FAILED ("agent: <ExcType>: <text>"); with `on_sample_error="raise"`
+its error also fails the rollout on every rank.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from ..rollout.outcome import OnSampleError, SampleErrors, failure_reason
 from ..rollout.round import Call, Driver, Need, generate_waves
 from ..types import Status
 from .defaults import ROUND_WAIT_S
+from .protocol import BadRequest
 from .server import hand_out
 from .session import Session
 
@@ -80,6 +83,13 @@ class AgentRounds(Driver):
     # -- the endpoint's side ------------------------------------------------------------------
     async def generate(self, session: Session, requests: list[GenerationRequest]) -> list[Generation]:
         run = self.by_session[session.id]
+        if not run.live:  # a timed-out agent's thread runs on: its sample has ended, calls are refused
+            raise BadRequest(
+                f"agent session {session.id!r} has ended ({run.reason or run.status.value}); "
+                "its calls are no longer answered",
+                status=409,
+                code="session_ended",
+            )
         future: asyncio.Future[list[Generation]] = asyncio.get_running_loop().create_future()
         self._pending.append((run, requests, future))
         self._changed.set()
