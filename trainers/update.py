@@ -76,27 +76,39 @@ def update(
     # pass over every micro-batch does (its logprobs are also the old policy's).
     # (`single` depends on the config alone: every rank takes the same path, collectives aligned)
     single = len(batches) == 1 and updates == 1
+    entropies: list[torch.Tensor | None] = []  # the policy's, where the backend gives it
     if single:
         first = backend.logprobs_of(batches[0] or placeholder)
         old = [first.detach() if batches[0] else None]
+        entropies.append(getattr(backend, "token_entropy", None))
     else:
+        old = []
         with torch.no_grad():
-            old = [backend.logprobs_of(b).detach() if b else None for b in batches]
+            for b in batches:
+                old.append(backend.logprobs_of(b).detach() if b else None)
+                entropies.append(getattr(backend, "token_entropy", None) if b else None)
     # old logprobs and masks are None exactly where the batch is
     masks = [
         loss_token_mask(b, o, cfg, ref_logprobs=r) if b is not None and o is not None else None
         for b, o, r in zip(batches, old, refs)
     ]
-    counts = torch.zeros(4, dtype=torch.float64)  # loss tokens, samples, IS weight sum, corrected tokens
-    for b, o, m in zip(batches, old, masks):
+    # loss tokens, samples, IS weight sum, corrected tokens, entropy sum and its tokens
+    counts = torch.zeros(6, dtype=torch.float64)
+    for b, o, m, h in zip(batches, old, masks, entropies):
         if b is not None and o is not None and m is not None:
             counts[:2] += denominators(m, b)
             if cfg.is_batch_normalize:
-                counts[2:] += is_weight_sums(b, o, m, cfg)
+                counts[2:4] += is_weight_sums(b, o, m, cfg)
+            if h is not None and h.shape == m.shape:  # over the loss tokens
+                kept = m.bool()
+                counts[4] += float(h[kept].double().sum())
+                counts[5] += float(kept.sum())
     # global denominators: the loss of every micro-batch on every DP rank sums to the mean
-    num_tokens, num_sequences, w_sum, w_count = distributed.all_reduce(counts, group=dp_group).tolist()
+    total = distributed.all_reduce(counts, group=dp_group).tolist()
+    num_tokens, num_sequences, w_sum, w_count, entropy_sum, entropy_count = total
+    entropy = {"entropy": entropy_sum / entropy_count} if entropy_count else {}
     if num_tokens == 0:  # nothing trainable anywhere (e.g. every group dropped or rejected)
-        return UpdateResult({"grad_norm": 0.0, "skipped": 1.0, "step_skipped": 0.0}, skipped=0)
+        return UpdateResult({"grad_norm": 0.0, "skipped": 1.0, "step_skipped": 0.0, **entropy}, skipped=0)
     extra = {"is_weight_mean": w_sum / w_count if w_count else 1.0} if cfg.is_batch_normalize else {}
     skipped, sums, grad_norm = 0, None, 0.0
     for k in range(updates):
@@ -128,7 +140,8 @@ def update(
         # the backend did not apply this update (see Backend.optimizer_step): count it
         skipped += not math.isfinite(grad_norm)
     reduced = reduce_metrics(sums, dp_group)
-    return UpdateResult({**reduced, "grad_norm": grad_norm, "step_skipped": float(skipped > 0)}, skipped)
+    figures = {**reduced, **entropy, "grad_norm": grad_norm, "step_skipped": float(skipped > 0)}
+    return UpdateResult(figures, skipped)
 
 
 def _placeholder(rollout: Rollout, backend: Trainable) -> TrainingBatch:

@@ -90,3 +90,37 @@ def vocab_parallel_token_logprobs(
     picked = torch.where(owned, picked, torch.zeros_like(picked))
     picked = distributed.all_reduce_replicated(picked, group)
     return picked - shift - torch.log(sum_exp)
+
+
+def token_entropy(logits: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature) at each position, in nats; float32 [...], no grad.
+
+    logits [..., V]: the distribution the engine sampled from (the same scaling as
+    `token_logprobs`), so its entropy is the policy's at sampling time."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    with torch.no_grad():
+        x = logits.detach().float() / temperature
+        logp = torch.log_softmax(x, dim=-1)
+        p = logp.exp()  # a column of probability 0 adds 0, not 0 * -inf
+        return -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(dim=-1)
+
+
+def vocab_parallel_token_entropy(
+    logits: torch.Tensor, *, temperature: float = 1.0, group: ProcessGroup | None = None
+) -> torch.Tensor:
+    """`token_entropy` from this rank's vocabulary shard (logits [..., V_shard]), the same on every
+    rank of `group`: H = log Z - E_p[x] with x = logits / temperature, from three all-reduces over
+    [...] (the max, the sum of exps, the sum of exp-weighted logits); no gradient."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    with torch.no_grad():
+        x = logits.detach().float() / temperature
+        shift = x.amax(dim=-1)
+        distributed.all_reduce(shift, "max", group)
+        e = torch.exp(x - shift.unsqueeze(-1))
+        # a column whose logit is -inf has e = 0: its term is 0, not 0 * -inf
+        ex = torch.where(e > 0, e * x, torch.zeros_like(x))
+        sums = torch.stack([e.sum(dim=-1), ex.sum(dim=-1)])  # [2, ...]
+        distributed.all_reduce(sums, "sum", group)
+        return shift + torch.log(sums[0]) - sums[1] / sums[0]

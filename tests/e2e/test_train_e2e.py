@@ -8,7 +8,7 @@ import pytest
 from support.launch import SMALL, metrics, torchrun
 
 KEYS = {"step", "reward_mean", "reward_std", "loss", "kl", "is/sample_fraction", "is/weight_mean", "tokens"}
-KEYS |= {"rollout_s", "train_s"}
+KEYS |= {"rollout_s", "train_s", "entropy"}
 
 
 def _check_run(out, steps: int) -> list[dict]:
@@ -18,6 +18,8 @@ def _check_run(out, steps: int) -> list[dict]:
         assert KEYS <= set(r), KEYS - set(r)
         assert 0.0 <= r["reward_mean"] <= 1.0
         assert math.isfinite(r["loss"]) and r["tokens"] > 0
+        # the policy's mean entropy over the loss tokens, in nats: every backend and layout logs it
+        assert 0.0 < r["entropy"] < math.log(200_000)
         # every sample's rollout logprobs are complete, so IS correction covers all of them
         assert r["is/sample_fraction"] == 1.0
     assert (out / "reward.png").stat().st_size > 0

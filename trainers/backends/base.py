@@ -57,7 +57,10 @@ class Backend(Protocol):
     def has_reference(self) -> bool: ...
 
     def logprobs_of(self, batch: TrainingBatch, *, reference: bool = False) -> torch.Tensor:
-        """[B, T] logprobs of batch.targets: the trained model's (with gradient) or the reference's."""
+        """[B, T] logprobs of batch.targets: the trained model's (with gradient) or the reference's.
+
+        A backend may also set `token_entropy` [B, T] (no grad) on a policy forward: the
+        entropy of the policy at each position, which the step logs as `entropy`."""
 
     def backward(self, loss: torch.Tensor) -> None: ...
 

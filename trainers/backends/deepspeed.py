@@ -38,7 +38,7 @@ from interlens_mcore.engines.prefix_cache import PrefixCachingEngine
 from interlens_mcore.engines.vllm import VLLMConfig
 from interlens_mcore.engines.weight_sync import hf_tensors, zero3_hf_tensors
 from interlens_mcore.grpo.batch import Layout, TrainingBatch
-from interlens_mcore.grpo.logprobs import token_logprobs
+from interlens_mcore.grpo.logprobs import token_entropy, token_logprobs
 
 from ..config import BackendConfig, TrainerConfig
 from .colocated_vllm import ColocatedVLLM, vllm_config
@@ -209,6 +209,8 @@ class DeepSpeedBackend:
         from transformers import AutoModelForCausalLM
 
         self.groups, self.tokenizer, self.temperature = groups, tokenizer, temperature or 1.0
+        # the policy's entropy at each position of its last forward (the `entropy` metric), no grad
+        self.token_entropy: torch.Tensor | None = None
         self._frozen_engine: HFEngine | None = None  # a frozen opponent's: built on first use
         self.model_path = Path(model_path)
         self.zero_stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
@@ -279,13 +281,17 @@ class DeepSpeedBackend:
             with torch.no_grad():
                 return self._logprobs(self.reference, batch)
         self.ds.train()
-        return self._logprobs(self.ds, batch)
+        return self._logprobs(self.ds, batch, entropy=True)
 
-    def _logprobs(self, model: torch.nn.Module, batch: TrainingBatch) -> torch.Tensor:
+    def _logprobs(
+        self, model: torch.nn.Module, batch: TrainingBatch, *, entropy: bool = False
+    ) -> torch.Tensor:
         attention = (batch.sample_ids >= 0).long()  # [N, T] right padding
         logits = model(
             input_ids=batch.input_ids, attention_mask=attention, position_ids=batch.position_ids
         ).logits
+        if entropy:
+            self.token_entropy = token_entropy(logits, temperature=self.temperature)  # [N, T]
         return token_logprobs(logits, batch.targets, temperature=self.temperature)  # [N, T]
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -24,7 +24,12 @@ from interlens_mcore.engines.base import Engine
 from interlens_mcore.engines.vllm import VLLMConfig
 from interlens_mcore.engines.weight_sync import megatron_hf_tensors
 from interlens_mcore.grpo.batch import Layout, TrainingBatch
-from interlens_mcore.grpo.logprobs import token_logprobs, vocab_parallel_token_logprobs
+from interlens_mcore.grpo.logprobs import (
+    token_entropy,
+    token_logprobs,
+    vocab_parallel_token_entropy,
+    vocab_parallel_token_logprobs,
+)
 from interlens_mcore.megatron import build_model, export_hf, forward_logits, load_layout
 from interlens_mcore.megatron import checkpoint as megatron_checkpoint
 from interlens_mcore.megatron.engine import MegatronEngine
@@ -93,6 +98,8 @@ class MegatronBackend:
         compute_dtype: torch.dtype | None = None,
     ):
         self.groups, self.temperature, self.tokenizer = groups, temperature or 1.0, tokenizer
+        # the policy's entropy at each position of its last forward (the `entropy` metric), no grad
+        self.token_entropy: torch.Tensor | None = None
         self._frozen_engine: MegatronEngine | None = None  # a frozen opponent's: built on first use
         self.compute_dtype = compute_dtype  # autocast dtype of every forward (None: the weights')
         self.model_path = Path(model_path)  # an HF folder or a sharded megatron checkpoint
@@ -177,9 +184,11 @@ class MegatronBackend:
             with torch.no_grad():
                 return self._logprobs(self.reference, batch)
         self.train_model.train()
-        return self._logprobs(self.train_model, batch)
+        return self._logprobs(self.train_model, batch, entropy=True)
 
-    def _logprobs(self, model: torch.nn.Module, batch: TrainingBatch) -> torch.Tensor:
+    def _logprobs(
+        self, model: torch.nn.Module, batch: TrainingBatch, *, entropy: bool = False
+    ) -> torch.Tensor:
         logits = forward_logits(  # [T, V_pad / tp]
             model, self.layout_info, batch.input_ids, batch.cu_seqlens, compute_dtype=self.compute_dtype
         )
@@ -187,6 +196,8 @@ class MegatronBackend:
         t = self.temperature
         if self.groups.tp_size == 1:
             lp = token_logprobs(logits, targets, temperature=t)
+            if entropy:
+                self.token_entropy = token_entropy(logits, temperature=t)[None]
         else:
             lp = vocab_parallel_token_logprobs(
                 logits,
@@ -195,6 +206,9 @@ class MegatronBackend:
                 temperature=t,
                 group=self.groups.tp,
             )
+            if entropy:  # exact under TP: from the shards, the same on every rank of the group
+                h = vocab_parallel_token_entropy(logits, temperature=t, group=self.groups.tp)
+                self.token_entropy = h[None]
         return lp[None]  # [1, T]
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -4,7 +4,12 @@ import pytest
 import torch
 from support.dist import run_ranks
 
-from interlens_mcore.grpo.logprobs import token_logprobs, vocab_parallel_token_logprobs
+from interlens_mcore.grpo.logprobs import (
+    token_entropy,
+    token_logprobs,
+    vocab_parallel_token_entropy,
+    vocab_parallel_token_logprobs,
+)
 
 
 def test_token_logprobs_hand_values():
@@ -28,6 +33,20 @@ def test_token_logprobs_matches_log_softmax_with_gradient():
     (g,) = torch.autograd.grad(out.sum(), logits)
     (g_ref,) = torch.autograd.grad(ref.sum(), logits)
     torch.testing.assert_close(g, g_ref)
+
+
+def test_entropy_hand_values():
+    # uniform over 4 ids: ln 4; [0, ln 3] -> [1/4, 3/4]: -(1/4 ln 1/4 + 3/4 ln 3/4); a certain id: 0,
+    # and a column of probability 0 (-inf) adds nothing
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [0.0, math.log(3), -math.inf, -math.inf]])
+    expected = [math.log(4), -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))]
+    assert token_entropy(logits).tolist() == pytest.approx(expected, abs=1e-6)
+    assert vocab_parallel_token_entropy(logits).tolist() == pytest.approx(expected, abs=1e-6)
+    assert token_entropy(torch.tensor([[50.0, 0.0, 0.0]])).item() == pytest.approx(0.0, abs=1e-6)
+    # temperature 2 halves the logits: [0, ln 3 / 2] -> weights [1, sqrt 3]
+    p = 1 / (1 + math.sqrt(3))
+    halved = -(p * math.log(p) + (1 - p) * math.log(1 - p))
+    assert token_entropy(logits[1:, :2], temperature=2.0).item() == pytest.approx(halved, abs=1e-6)
 
 
 def test_vocab_parallel_on_one_rank_is_full_vocabulary():
@@ -124,14 +143,19 @@ def _tp2_worker(rank, world_size, temperature):
         ref = torch.log_softmax(full_req / temperature, -1).gather(-1, targets[..., None])[..., 0]
         (ref * upstream).sum().backward()
         ref_grad = full_req.grad[..., rank * shard : (rank + 1) * shard]
-        return ours.detach(), mega.detach(), ref.detach(), local.grad, mega_grad, ref_grad
+        # the entropy from the shards is the full vocabulary's, on both ranks
+        entropy = vocab_parallel_token_entropy(local, temperature=temperature, group=group)
+        full_entropy = token_entropy(full, temperature=temperature)
+        grads = (local.grad, mega_grad, ref_grad)
+        return ours.detach(), mega.detach(), ref.detach(), *grads, entropy, full_entropy
     finally:
         parallel_state.destroy_model_parallel()
 
 
 def test_vocab_parallel_tp2_matches_full_and_megatron():
     results = run_ranks(_tp2_worker, 2, 0.8, timeout=120)
-    for ours, mega, ref, grad, mega_grad, ref_grad in results:
+    for ours, mega, ref, grad, mega_grad, ref_grad, entropy, full_entropy in results:
+        torch.testing.assert_close(entropy, full_entropy, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(ours, mega, rtol=1e-5, atol=1e-5)
         # The shard's gradient is its slice of the full-vocabulary gradient (not TP times it).
