@@ -64,6 +64,8 @@ def base_source(args: Args) -> TaskSource:
 
             source = dataset.source(la.dataset, la.prompt_column, la.eval_dataset, **la.task_arguments)
         else:
+            if la.task.partition(":")[0] == "verifiers":  # the environment's own code runs its rollouts
+                refuse_outside_flags(args, f"--task {la.task} runs the environment's own rollouts")
             source = resolve_task(la.task, la.task_arguments)
         if la.agent is not None:
             source = agent_source(args, source)
@@ -81,13 +83,7 @@ def agent_source(args: Args, rows: TaskSource) -> TaskSource:
     from interlens_mcore.agents.task import AgentTasks
 
     la = args.launch
-    for flag, given in (
-        ("--tools", la.tools is not None),
-        ("--multi-turn-scheduler", la.multi_turn_scheduler is not None),
-        ("--system-prompt", la.system_prompt is not None),
-    ):
-        if given:
-            raise ValueError(f"--agent runs the agent's own code: {flag} does not reach it (drop one)")
+    refuse_outside_flags(args, "--agent runs the agent's own code")
     agent = load_object(str(la.agent), what="--agent")
     if not callable(agent):
         kind = type(agent).__name__
@@ -99,6 +95,19 @@ def agent_source(args: Args, rows: TaskSource) -> TaskSource:
         reply_match=la.agent_reply_match,
         round_wait_s=la.agent_round_wait_s,
     )
+
+
+def refuse_outside_flags(args: Args, why: str) -> None:
+    """ValueError for a flag that shapes our own conversations, which code run as a black box
+    against the endpoint (an agent, a verifiers environment) never sees."""
+    la = args.launch
+    for flag, given in (
+        ("--tools", la.tools is not None),
+        ("--multi-turn-scheduler", la.multi_turn_scheduler is not None),
+        ("--system-prompt", la.system_prompt is not None),
+    ):
+        if given:
+            raise ValueError(f"{why}: {flag} does not reach it (drop one)")
 
 
 def add_tools(args: Args, source: TaskSource) -> TaskSource:
