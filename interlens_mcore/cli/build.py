@@ -65,7 +65,10 @@ def base_source(args: Args) -> TaskSource:
             source = dataset.source(la.dataset, la.prompt_column, la.eval_dataset, **la.task_arguments)
         else:
             if la.task.partition(":")[0] == "verifiers":  # the environment's own code runs its rollouts
-                refuse_outside_flags(args, f"--task {la.task} runs the environment's own rollouts")
+                why = f"--task {la.task} runs the environment's own rollouts"
+                if la.agent is not None:
+                    raise ValueError(f"{why}: --agent would replace them (drop one)")
+                refuse_outside_flags(args, why)
             source = resolve_task(la.task, la.task_arguments)
         if la.agent is not None:
             source = agent_source(args, source)

@@ -7,7 +7,8 @@
     path/to/env.py        a file defining `load_environment(**args)`
     MODULE:FN, FILE:FN    the function FN of an importable module or of a .py file
 
-and every other keyword argument goes to that function (`--task-arg KEY=VALUE`).
+and every keyword argument (`--task-arg KEY=VALUE`) but this family's own `eval_fraction` and
+`success_metric` goes to that function.
 
 Each sample runs the environment's own `rollout(input, client, model, sampling_args)` for one
 dataset row, its client an `openai.AsyncOpenAI` on the sample's session of this rank's endpoint
@@ -21,7 +22,8 @@ must lie in [0, 1]; with neither, a reward >= 1.
 
 Rows are the environment's dataset rows, drawn from a seed alone (whole permutations first, as
 `--dataset` draws them). Evaluation plays the first rows of its `eval_dataset`, or, without one,
-a held-out `eval_fraction` of the dataset chosen by a fixed shuffle and never trained on.
+a held-out `eval_fraction` of the dataset chosen by a fixed shuffle and never trained on (an
+environment with an `eval_dataset` alone trains on the rest of it).
 
 A rollout that ends on the policy's doing (an empty reply, a tool call that cannot be parsed
 or whose tool raised, a prompt over the context) is scored as it ended, the error kept as

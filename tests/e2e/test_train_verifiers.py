@@ -63,3 +63,5 @@ def test_flags_that_do_not_reach_the_environment_are_refused(tmp_path):
     assert res.returncode == 2
     refusal = f"--task verifiers:{envs} runs the environment's own rollouts: --tools does not reach it"
     assert refusal in res.stderr
+    res = python("--task", f"verifiers:{envs}", "--agent", "launch/agents/guess_agent.py:play")
+    assert res.returncode == 2 and "--agent would replace them" in res.stderr

@@ -157,3 +157,15 @@ def test_bad_input_names_it(envs, spec, args, expected):
     with pytest.raises(ValueError) as info:
         resolve_task(spec.format(envs=envs), args)
     assert expected.format(envs=envs) in str(info.value)
+
+
+def test_without_verifiers_the_hint_names_the_agents_extra(monkeypatch):
+    import sys
+
+    from interlens_mcore.tasks.families import make_source
+
+    monkeypatch.setitem(sys.modules, "verifiers", None)  # an import of it fails as if not installed
+    monkeypatch.delitem(sys.modules, "interlens_mcore.tasks.verifiers_env", raising=False)
+    hint = r"needs the package 'verifiers' .*install interlens_mcore\[agents\]"
+    with pytest.raises(ValueError, match=hint):
+        make_source("verifiers:env.py")
