@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import subprocess
+import sys
+import time
 
-from support.launch import SMALL, all_records, metrics, python, torchrun
+from support.launch import ROOT, SMALL, TRAIN, all_records, env, kill_all, metrics, python, torchrun
 from support.verifiers_envs import write
 
 # the whole reply of the tiny model's chat template: what the rubric scored
@@ -65,3 +69,37 @@ def test_flags_that_do_not_reach_the_environment_are_refused(tmp_path):
     assert refusal in res.stderr
     res = python("--task", f"verifiers:{envs}", "--agent", "launch/agents/guess_agent.py:play")
     assert res.returncode == 2 and "--agent would replace them" in res.stderr
+
+
+def test_ctrl_c_still_saves_the_step(tmp_path):
+    # verifiers installs its own SIGINT handler (teardown, then KeyboardInterrupt) when the
+    # environment is built; the trainer's, which finishes the step and saves it, must be the one
+    envs = write(tmp_path)
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "launch" / "run.py"), "--standalone", "--nproc_per_node=2", str(TRAIN)]
+    cmd += ["--task", f"verifiers:{envs}", "--model", "tiny", "--output-dir", str(out), *SMALL]
+    cmd += ["--steps", "30", "--save-every", "50"]
+    proc = subprocess.Popen(
+        cmd, env=env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while _lines(out / "metrics.jsonl") < 2:
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "fewer than 2 steps within 240 s"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            kill_all(proc)
+    assert proc.returncode == 0, err[-3000:]
+    stopped_at = len(metrics(out))
+    assert 2 <= stopped_at < 30 and (out / "checkpoints" / f"step-{stopped_at:06d}").is_dir()
+    assert (
+        err.strip().splitlines()[-1].startswith(f"train_grpo.py: stopped by SIGINT after step {stopped_at}")
+    )
+
+
+def _lines(path) -> int:
+    return len(path.read_text().splitlines()) if path.is_file() else 0
