@@ -281,7 +281,8 @@ class AgentEndpoint:
         if room < 1:
             session.truncated = True
             raise BadRequest(
-                f"the prompt is {len(call.prompt)} tokens; the model's context is {self.engine.max_context}",
+                f"the prompt is {len(call.prompt)} tokens, which leaves no room for a reply in the "
+                f"model's context length of {self.engine.max_context}",
                 param="messages" if spec.kind == "chat" else "prompt",
                 code="context_length_exceeded",
             )

@@ -58,7 +58,8 @@ def base_source(args: Args) -> TaskSource:
     try:
         if la.gym_env is not None and la.multi_turn_scheduler is None:
             raise ValueError("--gym-env names the environment of a --multi-turn-scheduler: give one")
-        if la.agent is None:
+        verifiers = la.dataset is None and la.task.partition(":")[0] == "verifiers"
+        if la.agent is None and not verifiers:  # both run through the endpoint's rounds
             for flag, value, default in agent_options(la):
                 if value != default:
                     raise ValueError(f"{flag} applies to the agent of --agent MODULE:FN: give one")
@@ -69,7 +70,15 @@ def base_source(args: Args) -> TaskSource:
 
             source = dataset.source(la.dataset, la.prompt_column, la.eval_dataset, **la.task_arguments)
         else:
+            if verifiers:  # the environment's own code runs its rollouts
+                why = f"--task {la.task} runs the environment's own rollouts"
+                if la.agent is not None:
+                    raise ValueError(f"{why}: --agent would replace them (drop one)")
+                refuse_outside_flags(args, why)
+                check_agent_options(la)
             source = resolve_task(la.task, la.task_arguments)
+            if verifiers:
+                source = with_agent_options(source, la)
         if la.agent is not None:
             source = agent_source(args, source)
         if la.system_prompt is not None:  # before --tools: their descriptions join the same message
@@ -92,21 +101,29 @@ def agent_options(la: LaunchConfig) -> tuple[tuple[str, object, object], ...]:
     )
 
 
+def check_agent_options(la: LaunchConfig) -> None:
+    wait = la.agent_round_wait_s
+    if not (wait > 0 and math.isfinite(wait)):
+        raise ValueError(f"--agent-round-wait-s must be a number of seconds > 0, got {wait:g}")
+
+
+def with_agent_options(source: TaskSource, la: LaunchConfig) -> TaskSource:
+    """A verifiers source (an `AgentTasks`) with --agent-branches / -reply-match / -round-wait-s."""
+    from interlens_mcore.agents.task import AgentTasks
+
+    if isinstance(source, AgentTasks):
+        source.branches, source.reply_match = la.agent_branches, la.agent_reply_match
+        source.round_wait_s = float(la.agent_round_wait_s)
+    return source
+
+
 def agent_source(args: Args, rows: TaskSource) -> TaskSource:
     """--agent MODULE:FN playing the rows of `rows` (--dataset or --task) through the endpoint."""
     from interlens_mcore.agents.task import AgentTasks
 
     la = args.launch
-    wait = la.agent_round_wait_s
-    if not (wait > 0 and math.isfinite(wait)):
-        raise ValueError(f"--agent-round-wait-s must be a number of seconds > 0, got {wait:g}")
-    for flag, given in (
-        ("--tools", la.tools is not None),
-        ("--multi-turn-scheduler", la.multi_turn_scheduler is not None),
-        ("--system-prompt", la.system_prompt is not None),
-    ):
-        if given:
-            raise ValueError(f"--agent runs the agent's own code: {flag} does not reach it (drop one)")
+    check_agent_options(la)
+    refuse_outside_flags(args, "--agent runs the agent's own code")
     agent = load_object(str(la.agent), what="--agent")
     if not callable(agent):
         kind = type(agent).__name__
@@ -118,6 +135,19 @@ def agent_source(args: Args, rows: TaskSource) -> TaskSource:
         reply_match=la.agent_reply_match,
         round_wait_s=la.agent_round_wait_s,
     )
+
+
+def refuse_outside_flags(args: Args, why: str) -> None:
+    """ValueError for a flag that shapes our own conversations, which code run as a black box
+    against the endpoint (an agent, a verifiers environment) never sees."""
+    la = args.launch
+    for flag, given in (
+        ("--tools", la.tools is not None),
+        ("--multi-turn-scheduler", la.multi_turn_scheduler is not None),
+        ("--system-prompt", la.system_prompt is not None),
+    ):
+        if given:
+            raise ValueError(f"{why}: {flag} does not reach it (drop one)")
 
 
 def add_tools(args: Args, source: TaskSource) -> TaskSource:

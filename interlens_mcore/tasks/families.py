@@ -3,10 +3,12 @@
     make_source("reasoning_gym:basic_arithmetic", max_attempts=2)
     make_source("gym:FrozenLake-v1", is_slippery=False)
     make_source("textarena:TicTacToe-v0", opponent="random")
+    make_source("verifiers:my_env.py", num_examples=50)
 
 `parse_task_args` reads `--task-arg KEY=VALUE` pairs into typed keyword arguments. Each
 family's module is imported only when named, so a missing optional package (`pip install
-interlens_mcore[tasks]`) fails with its name, and only for the family that needs it.
+interlens_mcore[tasks]`, or `[agents]` for verifiers) fails with its name, and only for the
+family that needs it.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ FAMILIES = {
     "reasoning_gym": ("interlens_mcore.tasks.reasoning_gym", "reasoning-gym"),
     "gym": ("interlens_mcore.tasks.gym", "gymnasium"),
     "textarena": ("interlens_mcore.tasks.textarena", "textarena"),
+    "verifiers": ("interlens_mcore.tasks.verifiers_env", "verifiers"),
 }
+# the extra of setup.py that installs a family's package (the others: "tasks")
+EXTRAS = {"verifiers": "agents"}
 
 
 # What the task families run with unless the user says otherwise: the tiny default model answers
@@ -52,7 +57,8 @@ def make_source(spec: str, **task_args: object) -> TaskSource:
         return factory(name, **task_args)
     except ModuleNotFoundError as exc:
         raise ValueError(
-            f"task {spec!r} needs the package {package!r} ({exc}); install interlens_mcore[tasks]"
+            f"task {spec!r} needs the package {package!r} ({exc}); "
+            f"install interlens_mcore[{EXTRAS.get(family, 'tasks')}]"
         ) from exc
 
 
@@ -67,7 +73,12 @@ def family_factory(family: str) -> Callable[..., TaskSource] | None:
 
 def extra_task_args(family: str, name: str) -> set[str] | None:
     """The keyword arguments a family's factory passes on through `**` (gym: to `gymnasium.make`
-    and the environment's constructor); None where they cannot be listed."""
+    and the environment's constructor; verifiers: to the environment's function); None where
+    they cannot be listed."""
+    if family == "verifiers":
+        from .verifiers_env import environment_args
+
+        return environment_args(name)
     if family != "gym":
         return None
     import inspect

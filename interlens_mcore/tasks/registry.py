@@ -4,6 +4,8 @@
     reasoning_gym:NAME                 a reasoning-gym dataset (or "a+b" composite), verifier as reward
     gym:ENV_ID                         a gymnasium toy-text environment (FrozenLake-v1, Taxi-v4, ...)
     textarena:GAME_ID                  a two-player textarena game as a two-seat lineup
+    verifiers:ENV                      a verifiers environment's own rollouts, its rubric as reward
+                                       (ENV an installed environment, a .py file, or MODULE:FN)
     MODULE:FACTORY                     a function returning a TaskSource; MODULE is an importable
                                        module or a path to a .py file (as ms-swift's --external_plugins)
 

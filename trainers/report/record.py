@@ -135,7 +135,9 @@ def wilson_interval(rate: float, n: int, z: float = 1.959964) -> tuple[float, fl
         return (0.0, 1.0)
     centre = (rate + z * z / (2 * n)) / (1 + z * z / n)
     half = z / (1 + z * z / n) * math.sqrt(rate * (1 - rate) / n + z * z / (4 * n * n))
-    return (max(0.0, centre - half), min(1.0, centre + half))
+    # at a rate of 0 or 1 the bound is the rate itself, centre - half only up to rounding
+    # (5.6e-17 for 0 in 3): it is clamped to hold the rate, or the plot's error bar is negative
+    return (min(rate, max(0.0, centre - half)), max(rate, min(1.0, centre + half)))
 
 
 def json_ready(record: dict) -> dict:

@@ -124,6 +124,9 @@ def test_wilson_interval_and_the_summary_that_shows_it(tmp_path):
     assert wilson_interval(0.0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
     assert wilson_interval(1.0, 10) == pytest.approx((0.7225, 1.0), abs=1e-4)
     assert wilson_interval(0.3, 0) == (0.0, 1.0)  # no trials, no knowledge
+    # the interval holds the rate exactly where rounding would put its bound past it
+    assert [wilson_interval(0.0, n)[0] for n in (3, 5, 31)] == [0.0, 0.0, 0.0]
+    assert [wilson_interval(1.0, n)[1] for n in (4, 10, 19)] == [1.0, 1.0, 1.0]
     records = [
         {"step": 0, "reward_mean": 0.1, "eval/success_rate": 0.2, "eval/success_n": 200}
         | dict(zip(("eval/success_low", "eval/success_high"), wilson_interval(0.2, 200), strict=True)),
