@@ -243,6 +243,13 @@ class BackendConfig:
         default=False,
         metadata={"help": "with --engine vllm on GPU: free vLLM's weights and KV cache during training"},
     )
+    vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
+        default="auto",
+        metadata={
+            "help": "with --engine vllm: the dtype vLLM computes in; auto is the trainer's (bfloat16 with "
+            "--bf16, else float32), so rollout and training logprobs of a token agree"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

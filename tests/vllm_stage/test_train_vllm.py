@@ -39,7 +39,8 @@ def test_three_steps_generated_by_vllm(tmp_path, backend):
         assert math.isfinite(r["loss"]) and r["tokens"] > 0
         # vLLM returned a logprob for every sampled token: IS correction covers every sample
         assert r["is/complete_fraction"] == 1.0 and r["is/sample_fraction"] == 1.0
-        # and those logprobs are the trained model's own (float32 on both sides)
+        # and those logprobs are the trained model's own: --vllm-dtype auto builds vLLM in the
+        # trainer's float32 (trainers/backends/colocated_vllm.py)
         assert r["is/weight_mean"] == pytest.approx(1.0, abs=2e-3)
     assert any(r["grad_norm"] > 0 for r in rows)  # the weights did move between the steps
 

@@ -61,8 +61,12 @@ def vllm_config(cfg: BackendConfig, tp: int) -> VLLMConfig | None:
     """The colocated vLLM `cfg` asks for (`--engine vllm`) at TP size `tp`, or None (native)."""
     if cfg.engine == "native":
         return None
+    # vLLM's own "auto" is the checkpoint's dtype, often bfloat16 where the trainer computes in
+    # float32: then every rollout logprob differs from the trainer's, and IS corrects noise
+    trainer = "bfloat16" if cfg.bf16 else "float32"
     return VLLMConfig(
         tensor_parallel_size=tp,
+        dtype=trainer if cfg.vllm_dtype == "auto" else cfg.vllm_dtype,
         gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
         enable_sleep=cfg.vllm_sleep,
     )
