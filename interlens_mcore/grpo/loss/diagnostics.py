@@ -65,7 +65,8 @@ def off_policy_sums(
     train / rollout: logprobs of the targets under the train and rollout policies (0 off
     `compared`). Per sample i over its T_i compared tokens, with d = train - rollout:
     ppl = exp(-mean logprob), log_ppl_diff = mean(rollout) - mean(train) = log ppl_train -
-    log ppl_rollout, rho = exp(sum d) (the sequence weight, log clamped to +-clamp).
+    log ppl_rollout, rho = exp(clamp(sum d, -clamp, clamp)), the product sequence weight of
+    `is_weights.unit_log_weight` (the unclamped sum, bounded).
     """
     d = torch.where(compared, train - rollout, 0.0).double()
     w = torch.exp(d.clamp(-clamp, clamp))  # token ratios pi_train / pi_rollout

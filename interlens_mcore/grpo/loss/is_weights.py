@@ -118,7 +118,9 @@ def rejection_mask(
     geometric-mean ratio exp(mean d) lies outside it (every token of the sample goes).
     sequence_k1: |mean(-d)| > threshold, the k1 estimate of KL(rollout || train) in nats, either
     sign. sequence_k3: mean(e^d - 1 - d) > threshold (k3 >= 0). threshold_low None is
-    1 / threshold for the ratio rules; the KL rules do not use it.
+    1 / threshold for the ratio rules; the KL rules do not use it. The bounds are on
+    pi_train / pi_rollout: verl's k1 rules bound pi_rollout / pi_train, so (threshold 1.5,
+    threshold_low 0.8) here is its "0.667_1.25".
     """
     if rule not in REJECTIONS[1:]:
         raise ValueError(f"rule must be one of {REJECTIONS[1:]}, got {rule!r}")
