@@ -263,3 +263,17 @@ def test_off_policy_sequence_mask_equals_trl():
         ours = off_policy_sequence_mask(d, mask, ids, adv.expand(rows, length), delta)
         assert ours.tolist() == (mask & (keep == 0)).tolist()
         assert int((keep == 0).sum()) == dropped
+
+
+def test_batch_normalization_mean_is_over_tokens_in_sequence_modes():
+    # Both samples complete: sample 0 (3 tokens) has product weight 2, sample 1 (2 tokens, d =
+    # [ln 2, ln 2]) weight 4. The mean is over corrected tokens, (3 * 2 + 2 * 4) / 5 = 2.8, not
+    # verl's mean over sequences (2 + 4) / 2 = 3.
+    rollout = ROLLOUT.clone()
+    rollout[0, 3:5] = LP[0, 3:5] - LN2
+    batch = fixture_batch(rollout=rollout, complete=torch.tensor([True, True]))
+    config = cfg(
+        is_mode="sequence_truncate", is_threshold=10.0, is_sequence_weight="product", is_batch_normalize=True
+    )
+    total, count = is_weight_sums(batch, LP, loss_token_mask(batch, LP, config), config).tolist()
+    assert count == 5 and total / count == pytest.approx(2.8, rel=1e-6)
