@@ -67,7 +67,10 @@ class LossConfig:
     )
     is_sequence_weight: SequenceWeight = field(
         default="geometric",
-        metadata={"help": "sequence / turn IS weight: geometric mean or product of the token ratios"},
+        metadata={
+            "help": "sequence / turn IS weight: geometric mean or product of the token ratios (the "
+            "product sums the unclamped log-ratios, then bounds the sum by log_ratio_clamp)"
+        },
     )
     is_batch_normalize: bool = field(
         default=False, metadata={"help": "rescale the IS weights to mean 1 over the batch"}
@@ -84,7 +87,10 @@ class LossConfig:
     )
     rejection_threshold_low: float | None = field(
         default=None,
-        metadata={"help": "lower ratio bound of the token / sequence rules; None: 1 / rejection_threshold"},
+        metadata={
+            "help": "lower bound on pi_train / pi_rollout of the token / sequence rules (verl's 'lo_hi' "
+            "bounds the inverse: ours (hi, lo) is its '1/hi_1/lo'); None: 1 / rejection_threshold"
+        },
     )
     off_policy_sequence_mask_delta: float | None = field(
         default=None,

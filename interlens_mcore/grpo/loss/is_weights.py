@@ -1,7 +1,8 @@
 """Rollout importance sampling: weights pi_train / pi_rollout, and rejection of off-policy tokens.
 
-Every function takes the per-token log-ratio d = log pi_train - log pi_rollout [B, T] (already
-clamped by the caller, 0 where not `corrected`/`compared`) and returns [B, T] tensors. Units
+Every function takes the per-token log-ratio d = log pi_train - log pi_rollout [B, T] (0 where
+not `corrected`/`compared`) and returns [B, T] tensors. `importance_weights` takes d unclamped
+and bounds it itself (see `unit_log_weight`); the rejection rules take d clamped. Units
 (sample, turn) are named by id tensors [B, T]; a unit's figure uses only its own tokens, so a
 unit must lie entirely in the call. Nothing here has a gradient: weights are constants.
 
@@ -42,19 +43,23 @@ def _check_units(
 def unit_log_weight(
     log_ratio: torch.Tensor, where: torch.Tensor, unit_ids: torch.Tensor, form: str, clamp: float
 ) -> torch.Tensor:
-    """[B, T] log weight of each position's unit: the mean (geometric) or sum (product) of d.
+    """[B, T] float64 log weight of each position's unit, within +-clamp; `log_ratio` unclamped.
 
-    The product form's sum over a long unit easily passes 88 (exp overflows fp32), so it is
-    clamped to +-clamp like the token log-ratios.
+    geometric: the mean of the token log-ratios, each clamped to +-clamp first. product: the
+    sum of the unclamped token log-ratios, clamped as a whole (in float64, so a sum of huge
+    finite values cannot overflow to inf - inf = NaN). The product is thus the exact product
+    of the token ratios whenever that lies in [e^-clamp, e^clamp], and agrees with
+    `is/chi2_seq`, which bounds the same sum: log-ratios +41 and -38 give e^3, not e^0.
     """
     if form not in SEQUENCE_WEIGHTS:
         raise ValueError(f"form must be one of {SEQUENCE_WEIGHTS}, got {form!r}")
+    d = log_ratio.double()
     n = int(unit_ids.max()) + 1 if unit_ids.numel() else 0
     if form == "geometric":
-        per_unit, _ = unit_means(log_ratio, where, unit_ids, n)
+        per_unit, _ = unit_means(d.clamp(-clamp, clamp), where, unit_ids, n)
     else:
-        per_unit = unit_sums(log_ratio, where, unit_ids, n).clamp(-clamp, clamp)
-    return torch.where(where, broadcast(per_unit, unit_ids), torch.zeros_like(log_ratio))
+        per_unit = unit_sums(d, where, unit_ids, n).clamp(-clamp, clamp)
+    return torch.where(where, broadcast(per_unit, unit_ids), torch.zeros_like(d))
 
 
 def importance_weights(
@@ -70,21 +75,24 @@ def importance_weights(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """IS weights pi_train / pi_rollout, and which tokens were truncated or masked.
 
-    log_ratio [B, T]: d, 0 where not `corrected` [B, T] bool. For sequence and turn modes,
+    log_ratio [B, T]: d unclamped (finite), 0 where not `corrected` [B, T] bool. Token modes
+    clamp each d to +-clamp; for sequence and turn modes,
     `group_ids` [B, T] (sample ids, or segment ids) name the unit whose weight every one of
     its tokens shares: exp(mean d) (geometric mean of the token ratios) or exp(sum d)
-    (their product), per `sequence_weight`.
+    (their product), per `sequence_weight`, bounded as `unit_log_weight` says.
     Truncate: w clamped to [threshold_low, threshold]. Mask: 0 where w > threshold or
     w < threshold_low (the unit is dropped). threshold_low None means no lower bound.
     Returns weights [B, T] float32 (1.0 where not corrected), truncated [B, T], masked [B, T].
     """
     if mode not in IS_MODES[1:]:
         raise ValueError(f"mode must be one of {IS_MODES[1:]}, got {mode!r}")
-    lr = log_ratio.detach().float()
-    if not mode.startswith("token"):
+    lr = log_ratio.detach().double()
+    if mode.startswith("token"):
+        lr = lr.clamp(-clamp, clamp)
+    else:
         units = _check_units(group_ids, lr, corrected, f"mode {mode!r}")
         lr = unit_log_weight(lr, corrected, units, sequence_weight, clamp)
-    w = torch.exp(lr)
+    w = torch.exp(lr).float()
     low = 0.0 if threshold_low is None else threshold_low
     out = corrected & ((w > threshold) | (w < low))
     none = torch.zeros_like(out)
@@ -110,7 +118,9 @@ def rejection_mask(
     geometric-mean ratio exp(mean d) lies outside it (every token of the sample goes).
     sequence_k1: |mean(-d)| > threshold, the k1 estimate of KL(rollout || train) in nats, either
     sign. sequence_k3: mean(e^d - 1 - d) > threshold (k3 >= 0). threshold_low None is
-    1 / threshold for the ratio rules; the KL rules do not use it.
+    1 / threshold for the ratio rules; the KL rules do not use it. The bounds are on
+    pi_train / pi_rollout: verl's k1 rules bound pi_rollout / pi_train, so (threshold 1.5,
+    threshold_low 0.8) here is its "0.667_1.25".
     """
     if rule not in REJECTIONS[1:]:
         raise ValueError(f"rule must be one of {REJECTIONS[1:]}, got {rule!r}")

@@ -61,15 +61,24 @@ def rejected_tokens(diff_c, measured, sample_ids, advantages, config: LossConfig
     return out
 
 
+def log_ratio(train, rollout, where) -> torch.Tensor:
+    """[B, T] float64 log pi_train - log pi_rollout, unclamped, 0 off `where` (no gradient).
+
+    float64: the difference of two finite float32 logprobs, and a unit's sum of them, stay finite.
+    """
+    return torch.where(where, train.detach().double() - rollout.double(), 0.0)
+
+
 def clamped_log_ratio(train, rollout, where, clamp) -> torch.Tensor:
-    """[B, T] log pi_train - log pi_rollout, clamped, 0 off `where` (no gradient)."""
-    return torch.where(where, train.detach().float() - rollout.float(), 0.0).clamp(-clamp, clamp)
+    """[B, T] float32 log pi_train - log pi_rollout, clamped to +-clamp, 0 off `where` (no gradient)."""
+    return log_ratio(train, rollout, where).clamp(-clamp, clamp).float()
 
 
-def rollout_weights(diff_c, corrected, sample_ids, segment_ids, config: LossConfig):
+def rollout_weights(diff, corrected, sample_ids, segment_ids, config: LossConfig):
+    """`importance_weights` under `config`; `diff` [B, T] the unclamped log-ratio (`log_ratio`)."""
     groups = sample_ids if config.correction.startswith("sequence") else segment_ids
     return importance_weights(
-        diff_c,
+        diff,
         corrected,
         mode=config.correction,
         threshold=config.is_threshold,
@@ -134,6 +143,6 @@ def is_weight_sums(
     if config.is_mode == "none":
         raise ValueError("LossConfig.is_mode must not be 'none' for is_weight_sums, got 'none'")
     corrected = mask & token_complete(batch.logprobs_complete, batch.sample_ids)
-    diff_c = clamped_log_ratio(logprobs, batch.rollout_logprobs, corrected, config.log_ratio_clamp)
-    weights, _, _ = rollout_weights(diff_c, corrected, batch.sample_ids, batch.segment_ids, config)
+    diff = log_ratio(logprobs, batch.rollout_logprobs, corrected)
+    weights, _, _ = rollout_weights(diff, corrected, batch.sample_ids, batch.segment_ids, config)
     return torch.stack([torch.where(corrected, weights, 0.0).sum().double(), corrected.sum().double()])

@@ -43,7 +43,7 @@ SUM_KEYS = (
     "is/weight_sq_sum",
 )
 EXTREMUM_KEYS = ("ratio/max", "is/weight/max", "is/weight/min")
-METRIC_KEYS = (*SUM_KEYS, *diagnostics.SUM_KEYS, *EXTREMUM_KEYS)
+METRIC_KEYS = (*SUM_KEYS, *diagnostics.SUM_KEYS, *diagnostics.SPREAD_KEYS, *EXTREMUM_KEYS)
 
 _MERGE: dict[Reduction, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "sum": torch.add,
@@ -79,7 +79,7 @@ def empty_metrics() -> dict[str, torch.Tensor]:
     For a rank that trained on nothing but joins the reductions; the key set is the same for
     every `LossConfig`.
     """
-    return {k: torch.tensor(_NEUTRAL[reduction(k)]) for k in METRIC_KEYS}
+    return {k: torch.tensor(_NEUTRAL[reduction(k)], dtype=torch.float64) for k in METRIC_KEYS}
 
 
 def finalize_metrics(sums: Mapping[str, torch.Tensor | float]) -> dict[str, float]:

@@ -30,7 +30,7 @@ from interlens_mcore.grpo.loss.aggregation import aggregate, unit_sums
 from interlens_mcore.grpo.loss.config import LossConfig
 from interlens_mcore.grpo.loss.kl import kl_penalty
 from interlens_mcore.grpo.loss.mask import (
-    clamped_log_ratio,
+    log_ratio,
     rejected_tokens,
     rollout_weights,
     token_complete,
@@ -188,7 +188,8 @@ class _Tokens:
     mask: torch.Tensor  # loss tokens
     finite: torch.Tensor  # every logprob the loss reads is finite
     measured: torch.Tensor  # mask & finite & complete: train vs rollout is known (diagnostics)
-    diff_c: torch.Tensor  # clamped log pi_train - log pi_rollout on `measured`, else 0
+    diff: torch.Tensor  # float64 log pi_train - log pi_rollout on `measured`, else 0 (unclamped)
+    diff_c: torch.Tensor  # the same, float32 clamped to +-log_ratio_clamp
     rejected: torch.Tensor  # finite loss tokens a rejection rule removed
     valid: torch.Tensor  # mask & finite & ~rejected: the tokens in the loss
     compared: torch.Tensor  # valid & complete: the tokens IS correction may touch
@@ -200,13 +201,14 @@ def _kept_tokens(x: LossInputs, config: LossConfig) -> _Tokens:
     complete = token_complete(x.logprobs_complete, x.sample_ids)  # [B, T]
     finite = token_finite(x.logprobs, x.rollout_logprobs, complete, x.old_logprobs, x.ref_logprobs)
     measured = mask & finite & complete
-    diff_c = clamped_log_ratio(x.train_raw, x.rollout_logprobs, measured, config.log_ratio_clamp)
+    diff = log_ratio(x.train_raw, x.rollout_logprobs, measured)
+    diff_c = diff.clamp(-config.log_ratio_clamp, config.log_ratio_clamp).float()
     if x.token_mask is None:
         rejected = rejected_tokens(diff_c, measured, x.sample_ids, x.advantages, config)
     else:  # decided before the backward pass; a token non-finite now is counted as such instead
         rejected = mask & finite & ~x.token_mask
     valid = mask & finite & ~rejected
-    return _Tokens(mask, finite, measured, diff_c, rejected, valid, valid & complete)
+    return _Tokens(mask, finite, measured, diff, diff_c, rejected, valid, valid & complete)
 
 
 def _clean(x: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
@@ -229,7 +231,7 @@ def _rollout_correction(x: LossInputs, t: _Tokens, config: LossConfig) -> _Corre
     weights = torch.ones_like(train)
     truncated = masked = torch.zeros_like(t.mask)
     if config.is_mode != "none":
-        diff = torch.where(t.compared, t.diff_c, 0.0)
+        diff = torch.where(t.compared, t.diff, 0.0)
         weights, truncated, masked = rollout_weights(diff, t.compared, x.sample_ids, x.segment_ids, config)
         if config.is_batch_normalize:
             assert x.is_weight_mean is not None, "_check_options requires it with is_batch_normalize"
@@ -296,7 +298,11 @@ def _metrics(
     *,
     losses: tuple[torch.Tensor, torch.Tensor],
 ) -> dict[str, torch.Tensor]:
-    """The call's metrics (the keys of `metrics.METRIC_KEYS`), detached float32."""
+    """The call's metrics (the keys of `metrics.METRIC_KEYS`), detached float64.
+
+    float64 so that the sums behind `is/weight_std` reduce without rounding: one call's share
+    of the spread cancels exactly (`diagnostics.weight_spread_sums`).
+    """
     n, ids, terms = x.num_samples, x.sample_ids, p.terms
     correcting = config.bypass or config.is_mode != "none"
     corrected = t.compared if correcting else torch.zeros_like(t.compared)
@@ -322,19 +328,20 @@ def _metrics(
             "is/tokens_masked": w.masked,
             "is/tokens_rejected": t.rejected,
             "is/weight_sum": torch.where(corrected, is_weight, 0.0),
-            "is/weight_sq_sum": torch.where(corrected, is_weight * is_weight, 0.0),
+            "is/weight_sq_sum": torch.where(corrected, is_weight.double() ** 2, 0.0),  # exact square
         }
     )
     train, rollout = _clean(x.train_raw, t.measured), _clean(x.rollout_logprobs, t.measured)
     out.update(diagnostics.off_policy_sums(train, rollout, t.measured, ids, n, config.log_ratio_clamp))
+    out.update(diagnostics.weight_spread_sums(is_weight, corrected))
     out["ratio/max"] = torch.where(t.valid, terms.ratio, 0.0).max()
     out["is/weight/max"] = torch.where(corrected, is_weight, 0.0).max()
     out["is/weight/min"] = torch.where(corrected, is_weight, math.inf).min()
-    return {k: v.detach().float() for k, v in out.items()}
+    return {k: v.detach().double() for k, v in out.items()}
 
 
 def _metric_sums(values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.detach().float().sum() for k, v in values.items()}
+    return {k: v.detach().double().sum() for k, v in values.items()}
 
 
 def batch_loss(

@@ -74,3 +74,70 @@ def test_no_correction_reports_zero_weight_figures():
     out = finalize_metrics(run(cfg())[2])
     assert out["is/weight/min"] == 0.0 and out["is/ess"] == 0.0 and out["is/weight_std"] == 0.0
     assert out["is/chi2_token"] == pytest.approx(4.75, rel=1e-6)  # the mismatch is still measured
+
+
+def one_row(d, config, lp=-1.0):
+    """`grpo_loss` metrics of one complete sample whose tokens have log(pi_train / pi_rollout) = d."""
+    n = len(d)
+    train = torch.full((1, n), lp)
+    rollout = train - torch.tensor([d])
+    _, _, m = run(
+        config,
+        lp=train,
+        loss_mask=torch.ones(1, n, dtype=torch.bool),
+        advantages=torch.ones(1, n),
+        rollout_logprobs=rollout,
+        logprobs_complete=torch.tensor([True]),
+        sample_ids=torch.zeros(1, n, dtype=torch.long),
+        segment_ids=torch.zeros(1, n, dtype=torch.long),
+        num_tokens=n,
+        num_sequences=1,
+    )
+    return m
+
+
+def applied_weights(d):
+    """The float32 weights the loss applies for log-ratios d (untruncated): exp in float64, rounded."""
+    lp = torch.tensor(-1.0)
+    exact = lp.double() - (lp - torch.tensor(d)).double()  # the float32 logprobs' difference
+    return [float(w) for w in torch.exp(exact).float().double()]
+
+
+@pytest.mark.parametrize("d", [0.123, 0.5, -2.0])
+def test_weight_std_of_one_token_is_exactly_zero(d):
+    # the old one-pass form sqrt(E[w^2] - E[w]^2) over float32 sums gave 6.3e-5 at d = 0.123
+    out = finalize_metrics(one_row([d], cfg(is_mode="token_truncate", is_threshold=10.0)))
+    assert out["is/weight_std"] == 0.0
+    assert out["is/weight_mean"] == pytest.approx(math.exp(d), rel=1e-6) and out["is/ess"] == 1.0
+
+
+def test_weight_std_of_equal_weights_is_exactly_zero():
+    config = cfg(is_mode="token_truncate", is_threshold=10.0)
+    assert finalize_metrics(one_row([0.123, 0.123], config))["is/weight_std"] == 0.0
+    # the same two weights in two calls (micro-batches): the calls' means agree, the spread is 0
+    merged = merge_metrics(one_row([0.123], config), one_row([0.123], config))
+    assert finalize_metrics(merged)["is/weight_std"] == 0.0
+    # a sequence weight is shared by its tokens: 4 tokens, one weight exp(mean d)
+    out = finalize_metrics(
+        one_row([0.1, 0.3, -0.2, 0.6], cfg(is_mode="sequence_truncate", is_threshold=10.0))
+    )
+    assert out["is/weight_std"] == 0.0
+
+
+def two_pass_std(w):
+    m = sum(w) / len(w)
+    return math.sqrt(sum((x - m) ** 2 for x in w) / len(w))
+
+
+def test_weight_std_is_the_two_pass_form():
+    # a close pair, where the one-pass form loses most digits (its variance is ~2.5e-7)
+    d = [0.1, 0.1 + 1e-3]
+    out = finalize_metrics(one_row(d, cfg(is_mode="token_truncate", is_threshold=10.0)))
+    assert out["is/weight_std"] == pytest.approx(two_pass_std(applied_weights(d)), rel=1e-12)
+    # over calls: [2, 0.5, 1] and [4, 0.75, 1] (truncated / bounded weights of the fixture)
+    _, _, a = run(cfg(is_mode="token_truncate"))
+    _, _, b = run(cfg(is_mode="token_truncate", is_threshold=5.0, is_threshold_low=0.75))
+    w = [float(x) for x in torch.tensor([2, 0.5, 1, 4, 0.75, 1]).float()]
+    expected = two_pass_std(w)
+    assert finalize_metrics(merge_metrics(a, b))["is/weight_std"] == pytest.approx(expected, rel=1e-6)
+    # the weights of the fixture are e^(ln 4), e^(-ln 2) in float32, hence rel=1e-6 against exact ones

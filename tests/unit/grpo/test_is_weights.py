@@ -6,6 +6,7 @@ from test_loss import ADV, LP, MASK, ROLLOUT, SAMPLE, cfg, fixture_batch, prepas
 
 from interlens_mcore.grpo.loss.is_weights import importance_weights, off_policy_sequence_mask, rejection_mask
 from interlens_mcore.grpo.loss.mask import is_weight_sums, loss_token_mask
+from interlens_mcore.grpo.loss.metrics import finalize_metrics
 from interlens_mcore.grpo.loss.objective import batch_loss
 
 LN2 = math.log(2)
@@ -178,3 +179,101 @@ def test_batch_loss_mask_and_denominators_agree_on_nonfinite_rollout():
     loss, m = batch_loss(LP, batch, config, token_mask=mask, num_tokens=4, num_sequences=2)
     # w [2, 0.5] on tokens 0-1: (-4 - 1 + 1 + 1) / 4 = -0.75
     assert loss.item() == pytest.approx(-0.75) and m["nonfinite_masked"].item() == 1
+
+
+def huge_pair_run(config):
+    # one sample of two tokens with log(pi_train / pi_rollout) = [+41, -38]: the product is e^3
+    lp = torch.tensor([[-1.0, -39.0]])
+    return finalize_metrics(
+        run(
+            config,
+            lp=lp,
+            loss_mask=torch.ones(1, 2, dtype=torch.bool),
+            advantages=torch.ones(1, 2),
+            rollout_logprobs=torch.tensor([[-42.0, -1.0]]),
+            logprobs_complete=torch.tensor([True]),
+            sample_ids=torch.zeros(1, 2, dtype=torch.long),
+            segment_ids=torch.zeros(1, 2, dtype=torch.long),
+            num_tokens=2,
+            num_sequences=1,
+        )[2]
+    )
+
+
+def test_product_weight_sums_the_unclamped_log_ratios_then_clamps():
+    # Sum first (41 - 38 = 3), then bound to +-20: e^3, as verl and TRL have it. Clamping each
+    # token first (+20 - 20) gave 1.0. chi2_seq bounds the same sum: rho^2 - 1 = e^6 - 1.
+    product = cfg(is_mode="sequence_truncate", is_threshold=1e9, is_sequence_weight="product")
+    out = huge_pair_run(product)
+    assert out["is/weight_mean"] == pytest.approx(math.exp(3), rel=1e-6)
+    assert out["is/chi2_seq"] == pytest.approx(math.exp(6) - 1, rel=1e-6)
+    assert out["is/chi2_seq"] + 1 == pytest.approx(out["is/weight_mean"] ** 2, rel=1e-6)  # the same rho
+    truncated = huge_pair_run(
+        cfg(is_mode="sequence_truncate", is_threshold=1.5, is_sequence_weight="product")
+    )
+    assert out["is/weight_std"] == 0.0 and truncated["is/weight_mean"] == pytest.approx(1.5)
+    # the geometric form averages the clamped token log-ratios (verl's and ms-swift's geometric
+    # rule): (20 - 20) / 2 = 0, weight 1
+    geometric = huge_pair_run(cfg(is_mode="sequence_truncate", is_threshold=1e9))
+    assert geometric["is/weight_mean"] == pytest.approx(1.0)
+    # the turn modes share the rule; a sum beyond the bound is still bounded (41 + 41 -> 20)
+    d = torch.tensor([[41.0, 41.0]], dtype=torch.float64)
+    ones, ids = torch.ones(1, 2, dtype=torch.bool), torch.zeros(1, 2, dtype=torch.long)
+    w, _, _ = importance_weights(d, ones, mode="turn_truncate", threshold=1e30, group_ids=ids,
+                                 sequence_weight="product", clamp=20.0)  # fmt: skip
+    assert w[0].tolist() == pytest.approx([math.exp(20)] * 2, rel=1e-6)
+
+
+def test_product_weight_prepass_mean_agrees():
+    # is_weight_sums (the batch mean for is_batch_normalize) uses the same rule: e^3 on 2 tokens
+    config = cfg(is_mode="sequence_truncate", is_threshold=1e9, is_sequence_weight="product")
+    batch = fixture_batch(rollout=torch.tensor([[-42.0, -1.0, -1.0, math.nan, math.nan, 0.0]]))
+    lp = torch.tensor([[-1.0, -39.0, -1.0, -1.0, -1.0, -1.0]])
+    total, count = is_weight_sums(batch, lp, loss_token_mask(batch, lp, config), config).tolist()
+    assert count == 3 and total == pytest.approx(3 * math.exp(3), rel=1e-6)
+
+
+def test_asymmetric_token_bounds_are_the_inverse_of_verl_lo_hi():
+    # ours: keep lo <= pi_train / pi_rollout <= hi. verl's token_k1 "lo_hi" keeps
+    # lo <= pi_rollout / pi_train <= hi. So our (hi 1.5, lo 0.8) keeps exactly the tokens that
+    # verl's "0.667_1.25" (1 / 1.5, 1 / 0.8) keeps.
+    ratios = torch.tensor([0.7, 0.79, 0.81, 1.0, 1.24, 1.26, 1.49, 1.51])
+    d = torch.log(ratios)[None]
+    compared, ids = torch.ones_like(d, dtype=torch.bool), torch.zeros_like(d, dtype=torch.long)
+    ours = ~rejection_mask(d, compared, ids, rule="token", threshold=1.5, threshold_low=0.8)
+    k1 = -d  # log(pi_rollout / pi_train), verl's token_k1 statistic
+    verl_kept = (k1 >= math.log(1 / 1.5)) & (k1 <= math.log(1 / 0.8))
+    assert ours.tolist() == verl_kept.tolist() == [[False, False, True, True, True, True, True, False]]
+
+
+def test_off_policy_sequence_mask_equals_trl():
+    trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
+    g = torch.Generator().manual_seed(0)
+    rows, length = 12, 7
+    train = -torch.rand(rows, length, generator=g) * 3
+    rollout = train + torch.randn(rows, length, generator=g) * 0.4
+    mask = torch.rand(rows, length, generator=g) > 0.25
+    mask[:, 0] = True
+    adv = torch.randn(rows, 1, generator=g)
+    ids = torch.arange(rows)[:, None].expand(rows, length).clone()
+    # 5 of the 12 samples have A < 0; of them 2, 1 and 0 drifted past delta
+    for delta, dropped in ((0.0, 2), (0.05, 1), (0.2, 0)):
+        keep = trl_grpo.GRPOTrainer.get_off_policy_mask(adv, train, rollout, mask.float(), delta)
+        d = torch.where(mask, train - rollout, 0.0)
+        ours = off_policy_sequence_mask(d, mask, ids, adv.expand(rows, length), delta)
+        assert ours.tolist() == (mask & (keep == 0)).tolist()
+        assert int((keep == 0).sum()) == dropped
+
+
+def test_batch_normalization_mean_is_over_tokens_in_sequence_modes():
+    # Both samples complete: sample 0 (3 tokens) has product weight 2, sample 1 (2 tokens, d =
+    # [ln 2, ln 2]) weight 4. The mean is over corrected tokens, (3 * 2 + 2 * 4) / 5 = 2.8, not
+    # verl's mean over sequences (2 + 4) / 2 = 3.
+    rollout = ROLLOUT.clone()
+    rollout[0, 3:5] = LP[0, 3:5] - LN2
+    batch = fixture_batch(rollout=rollout, complete=torch.tensor([True, True]))
+    config = cfg(
+        is_mode="sequence_truncate", is_threshold=10.0, is_sequence_weight="product", is_batch_normalize=True
+    )
+    total, count = is_weight_sums(batch, LP, loss_token_mask(batch, LP, config), config).tolist()
+    assert count == 5 and total / count == pytest.approx(2.8, rel=1e-6)

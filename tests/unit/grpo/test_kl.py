@@ -73,3 +73,15 @@ def test_kl_clamp_and_is_weights_in_the_loss():
     assert m["kl/ref_sum"].item() == pytest.approx(2 * LN2, abs=1e-6)
     with pytest.raises(ValueError, match="LossConfig.kl_clamp"):
         cfg(kl_clamp=0.0)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "abs", "k1+", "k3+"])
+def test_log_ratio_bound_stops_the_gradient_beyond_it(estimator):
+    # d = log(pi_ref / pi) is bounded to [-20, 20] before every estimator (the README states it;
+    # verl bounds d in k3 only): at |d| = 25 the value is that of |d| = 20 and the gradient is 0,
+    # while at |d| = 19 it flows.
+    ref = torch.tensor([25.0, -25.0, 19.0])
+    v, g = kl_and_grad(estimator, ref)
+    at_bound, _ = kl_and_grad(estimator, torch.tensor([20.0, -20.0, 19.0]))
+    assert v == pytest.approx(at_bound, rel=1e-6)
+    assert g[:2] == [0.0, 0.0] and g[2] != 0.0
