@@ -15,6 +15,7 @@ from .backends.registry import BACKENDS
 
 REPORTERS = ("jsonl", "tensorboard", "wandb")
 MAX_EXTRA_ROUNDS = 3  # --dynamic-sampling's cap, ms-swift's max_resample_times default
+REF_MIXUP_ALPHA, REF_SYNC_STEPS = 0.6, 512  # --sync-ref-model's, TRL's defaults
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,6 +67,19 @@ class TrainerConfig:
             "help": "--dynamic-sampling: rounds a step may add; a step still short after them fills up "
             "with its uninformative prompts"
         },
+    )
+    sync_ref_model: bool = field(
+        default=False,
+        metadata={
+            "help": "move the KL reference toward the policy every --ref-model-sync-steps steps: "
+            "ref = alpha * policy + (1 - alpha) * ref (TRL's and ms-swift's option; needs --beta > 0)"
+        },
+    )
+    ref_model_mixup_alpha: float = field(
+        default=REF_MIXUP_ALPHA, metadata={"help": "--sync-ref-model: the policy's share alpha"}
+    )
+    ref_model_sync_steps: int = field(
+        default=REF_SYNC_STEPS, metadata={"help": "--sync-ref-model: steps between the moves"}
     )
     save_every: int = field(
         default=10, metadata={"help": "steps between checkpoints (the last is always saved)"}
@@ -130,6 +144,7 @@ class TrainerConfig:
         if self.max_extra_rounds != MAX_EXTRA_ROUNDS and not self.dynamic_sampling:
             what = "TrainerConfig.max_extra_rounds caps the rounds of --dynamic-sampling"
             raise ValueError(f"{what}: give it too")
+        self._check_reference_sync()
         for name in ("lr", "weight_decay", "grad_clip"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"TrainerConfig.{name} must be a finite number, got {getattr(self, name)}")
@@ -152,6 +167,19 @@ class TrainerConfig:
             raise ValueError(
                 f"TrainerConfig.report_to must list some of {', '.join(REPORTERS)}, got {self.report_to!r}"
             )
+
+    def _check_reference_sync(self) -> None:
+        given = self.ref_model_mixup_alpha != REF_MIXUP_ALPHA or self.ref_model_sync_steps != REF_SYNC_STEPS
+        if given and not self.sync_ref_model:
+            raise ValueError(
+                "TrainerConfig.ref_model_mixup_alpha and TrainerConfig.ref_model_sync_steps shape "
+                "--sync-ref-model: give it too"
+            )
+        alpha, steps = self.ref_model_mixup_alpha, self.ref_model_sync_steps
+        if not 0 < alpha <= 1:  # nan fails too
+            raise ValueError(f"TrainerConfig.ref_model_mixup_alpha must be in (0, 1], got {alpha}")
+        if steps < 1:
+            raise ValueError(f"TrainerConfig.ref_model_sync_steps must be >= 1, got {steps}")
 
     def _check_schedule(self) -> None:
         if self.gradient_accumulation_steps < 0:

@@ -119,6 +119,18 @@ class GRPOTrainer:
             raise ValueError(
                 f"LossConfig.beta {self.loss_config.beta} > 0 needs a backend built with reference=True"
             )
+        if config.sync_ref_model:
+            if not self.loss_config.beta > 0:
+                raise ValueError("TrainerConfig.sync_ref_model moves the KL reference: it needs --beta > 0")
+            if tasks.frozen_seats:
+                raise ValueError(
+                    "TrainerConfig.sync_ref_model would move the frozen seats' weights too "
+                    f"({', '.join(tasks.frozen_seats)} play the reference model): drop one"
+                )
+            if not callable(getattr(backend, "mix_reference", None)):
+                raise ValueError(
+                    f"TrainerConfig.sync_ref_model: the backend {type(backend).__name__} has no mix_reference"
+                )
         self.rollouter = Rollouter(
             engine=backend.engine,
             tokenizer=tokenizer,
@@ -264,7 +276,7 @@ class GRPOTrainer:
         self, rollout: Rollout, components: dict[str, list[float | None]], t0: float
     ) -> dict:
         """The collective part of a step, after its world check: the update and the step's figures."""
-        rcfg = self.rollout_config
+        rcfg, cfg = self.rollout_config, self.config
         shared = self.share_over_tp(rollout)
         t1 = time.perf_counter()
         lr = lr_at(self.step, self.config)
@@ -289,6 +301,8 @@ class GRPOTrainer:
         metrics = result.metrics
         # once after the rollout's optimizer steps: nothing generates between them. The slowest
         # rank's time is the step's (collective: every rank syncs here)
+        if cfg.sync_ref_model and (self.step + 1) % cfg.ref_model_sync_steps == 0:
+            self.backend.mix_reference(cfg.ref_model_mixup_alpha)  # type: ignore[attr-defined]
         sync = torch.tensor([self.backend.sync_engine_weights()], dtype=torch.float64)
         sync_s = float(distributed.all_reduce(sync, "max")[0])
         t2 = time.perf_counter()

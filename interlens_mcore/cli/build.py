@@ -292,6 +292,11 @@ def check(args: Args) -> tuple[Args, TaskSource]:
             check_dcp(folder / "weights")
         except UnsafeCheckpoint as exc:
             raise UsageError(f"--model {b.model}: refused, {exc}") from None
+    if t.sync_ref_model and not args.loss.beta > 0:
+        raise UsageError(
+            f"--sync-ref-model moves the KL reference, and --beta {args.loss.beta:g} keeps none: "
+            "give --beta > 0"
+        )
     if b.vllm_sleep and b.engine != "vllm":
         raise UsageError("--vllm-sleep puts vLLM to sleep during training: it needs --engine vllm")
     if b.engine == "vllm":

@@ -526,6 +526,26 @@ SECTIONS: list[tuple[str, list[Refusal]]] = [
         ],
     ),
     (
+        "A moving reference (--sync-ref-model)",
+        [
+            Refusal(
+                "--sync-ref-model with no KL reference",
+                ("--sync-ref-model", "--beta", "0"),
+                "--sync-ref-model moves the KL reference, and --beta 0 keeps none: give --beta > 0",
+            ),
+            Refusal(
+                "its settings without it",
+                ("--ref-model-sync-steps", "64"),
+                "--ref-model-mixup-alpha and --ref-model-sync-steps shape --sync-ref-model: give it too",
+            ),
+            Refusal(
+                "a mixup share outside (0, 1]",
+                ("--sync-ref-model", "--ref-model-mixup-alpha", "1.5"),
+                "--ref-model-mixup-alpha must be in (0, 1], got 1.5",
+            ),
+        ],
+    ),
+    (
         "Agents (--agent)",
         [
             Refusal(

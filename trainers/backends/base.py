@@ -39,6 +39,8 @@ from interlens_mcore.grpo.batch import Layout, TrainingBatch
 
 from ..config import BackendConfig, TrainerConfig
 
+REFERENCE_DIR = "reference"  # a checkpoint's moved KL reference (--sync-ref-model), beside the policy
+
 
 class Backend(Protocol):
     engine: Engine

@@ -41,6 +41,7 @@ from interlens_mcore.grpo.batch import Layout, TrainingBatch
 from interlens_mcore.grpo.logprobs import token_entropy, token_logprobs
 
 from ..config import BackendConfig, TrainerConfig
+from .base import REFERENCE_DIR
 from .colocated_vllm import ColocatedVLLM, vllm_config
 
 
@@ -228,6 +229,7 @@ class DeepSpeedBackend:
         self.micro_batches = int(ds_config.get("gradient_accumulation_steps", 1))
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
         self.reference = self._initial_model() if reference else None
+        self.reference_moved = False  # mix_reference moved it off the initial weights: it is saved
         self.ds = start(model, ds_config)
         self._skipped_seen = self.ds.skipped_steps
         self.colocated = None
@@ -328,8 +330,31 @@ class DeepSpeedBackend:
             self.prefix_cache.clear()  # the cached keys/values were computed with the old weights
         return 0.0
 
+    @torch.no_grad()
+    def mix_reference(self, alpha: float) -> None:
+        """The KL reference moved toward the policy: ref = alpha * policy + (1 - alpha) * ref.
+        Under ZeRO-3 each policy parameter is gathered in turn (collective over the DP group, every
+        rank in the same order); the reference is whole on every rank."""
+        if self.reference is None:
+            raise ValueError("mix_reference: the backend was built with reference=False")
+        own = dict(self.ds.module.named_parameters())
+        for name, ref in self.reference.named_parameters():
+            param = own[name]
+            if self.zero_stage == 3:
+                import deepspeed
+
+                with deepspeed.zero.GatheredParameters([param]):
+                    ref.lerp_(param.detach().to(ref.dtype), alpha)
+            else:
+                ref.lerp_(param.detach().to(ref.dtype), alpha)
+        self.reference_moved = True
+
     def save(self, folder: Path) -> None:
+        """DeepSpeed's checkpoint; a reference that `mix_reference` moved beside it (`reference/`,
+        an HF folder in safetensors, written by rank 0)."""
         self.ds.save_checkpoint(str(folder), tag="deepspeed")
+        if self.reference is not None and self.reference_moved and distributed.rank() == 0:
+            self.reference.save_pretrained(folder / REFERENCE_DIR, safe_serialization=True)
 
     def load(self, folder: Path) -> None:
         # DeepSpeed reads its files with torch.load(weights_only=False): nothing that would call
@@ -339,6 +364,12 @@ class DeepSpeedBackend:
         if path is None:
             raise ValueError(f"checkpoint {folder} holds no DeepSpeed state")
         self._skipped_seen = self.ds.skipped_steps  # the engine's counter comes back with it
+        if self.reference is not None and (folder / REFERENCE_DIR).is_dir():
+            from transformers import AutoModelForCausalLM
+
+            moved = AutoModelForCausalLM.from_pretrained(folder / REFERENCE_DIR, dtype=torch.float32)
+            self.reference.load_state_dict(moved.state_dict())
+            self.reference_moved = True
         self.sync_engine_weights()  # a resumed run generates with the weights it resumes from
 
     def export_hf(self, out_dir: str | Path) -> Path:

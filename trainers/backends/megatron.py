@@ -38,6 +38,7 @@ from interlens_mcore.megatron.training import TrainingOptions, build_training, c
 from interlens_mcore.megatron.weights import copy_hf_files, load_weights
 
 from ..config import BackendConfig, TrainerConfig
+from .base import REFERENCE_DIR
 from .colocated_vllm import ColocatedVLLM, vllm_config
 
 
@@ -115,6 +116,7 @@ class MegatronBackend:
             tensor_parallel.model_parallel_cuda_manual_seed(seed)
         self.model = self._initial_model(trainable=True)
         self.reference = self._initial_model() if reference else None
+        self.reference_moved = False  # mix_reference moved it off the initial weights: it is saved
         self.training = build_training(self.model, options, groups, path=self.path)
         self.train_model, self.optimizer = self.training.train_model, self.training.optimizer
         self.colocated: ColocatedVLLM | None = None
@@ -234,14 +236,33 @@ class MegatronBackend:
         """The 2-norm of the whole model's gradient (collective over TP), float64 (CPU path)."""
         return self.training.grad_norm()
 
+    @torch.no_grad()
+    def mix_reference(self, alpha: float) -> None:
+        """The KL reference moved toward the policy: ref = alpha * policy + (1 - alpha) * ref, shard by
+        shard (both models are split alike; no collective). From then on checkpoints hold it."""
+        if self.reference is None:
+            raise ValueError("mix_reference: the backend was built with reference=False")
+        for (name, ref), (other, own) in zip(
+            self.reference.named_parameters(), self.model.named_parameters(), strict=True
+        ):
+            assert name == other, f"reference and policy differ at {name} / {other}"
+            ref.lerp_(own.detach().to(ref.dtype), alpha)
+        self.reference_moved = True
+
     def save(self, folder: Path) -> None:
-        """A sharded checkpoint (collective): it loads at any TP size, and as `--model` too."""
+        """A sharded checkpoint (collective): it loads at any TP size, and as `--model` too. A
+        reference that `mix_reference` moved is saved beside it (`reference/`)."""
         megatron_checkpoint.save(folder, self.model, self.layout_info, self.optimizer)
+        if self.reference is not None and self.reference_moved:
+            megatron_checkpoint.save(folder / REFERENCE_DIR, self.reference, self.layout_info)
         if distributed.rank() == 0:
             copy_hf_files(self.model_path, folder)
 
     def load(self, folder: Path) -> None:
         megatron_checkpoint.load(folder, self.model, self.layout_info, self.optimizer)
+        if self.reference is not None and (folder / REFERENCE_DIR).is_dir():
+            megatron_checkpoint.load(folder / REFERENCE_DIR, self.reference, self.layout_info)
+            self.reference_moved = True
         self.sync_engine_weights()  # a resumed run generates with the weights it resumes from
 
     def export_hf(self, out_dir: str | Path) -> Path:
