@@ -75,10 +75,8 @@ def extra_task_args(family: str, name: str) -> set[str] | None:
     """The keyword arguments a family's factory passes on through `**` (gym: to `gymnasium.make`
     and the environment's constructor; verifiers: to the environment's function); None where
     they cannot be listed."""
-    if family == "verifiers":
-        from .verifiers_env import environment_args
-
-        return environment_args(name)
+    if family == "verifiers":  # by name, as every family's module: none is imported unless named
+        return importlib.import_module(FAMILIES[family][0]).environment_args(name)
     if family != "gym":
         return None
     import inspect
