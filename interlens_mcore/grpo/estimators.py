@@ -13,8 +13,9 @@ that still has to run over the whole batch of every rank. Four are built in:
 
 A batch step needs statistics over all ranks, so it cannot run where the rewards are computed
 (a local phase, no collectives): `batch_advantages` runs it later, with the caller's sum
-all-reduce. Add an estimator with `register_advantage_estimator`; `--advantage-estimator NAME`
-then selects it::
+all-reduce; which `BatchStep` an estimator returns must follow from its settings alone, never
+from the data, or ranks would disagree on running it. Add an estimator with
+`register_advantage_estimator`; `--advantage-estimator NAME` then selects it::
 
     @register_advantage_estimator("max_baseline", default_scale="none")
     def max_baseline(inputs: AdvantageInputs, settings: EstimatorSettings) -> Estimate:
@@ -141,10 +142,11 @@ def register_advantage_estimator(
     return add
 
 
-def estimator(name: str) -> Estimator:
+def estimator(name: str, where: str = "advantage_estimator") -> Estimator:
+    """The registered estimator `name`; a ValueError naming `where` and the registered names if none."""
     if name not in ADVANTAGE_ESTIMATORS:
         raise ValueError(
-            f"advantage_estimator must be one of {tuple(ADVANTAGE_ESTIMATORS)} "
+            f"{where} must be one of {tuple(ADVANTAGE_ESTIMATORS)} "
             f"(register_advantage_estimator adds one), got {name!r}"
         )
     return ADVANTAGE_ESTIMATORS[name]

@@ -152,7 +152,7 @@ class RolloutConfig:
 
     def check_advantages(self) -> None:
         name = self.advantage_estimator
-        spec = estimator(name)  # a ValueError naming the registered ones
+        spec = estimator(name, "RolloutConfig.advantage_estimator")  # names the registered ones
         if self.scale_rewards is not None and self.scale_rewards not in SCALES:
             raise ValueError(
                 f"RolloutConfig.scale_rewards must be one of {SCALES} or None, got {self.scale_rewards!r}"
@@ -637,17 +637,18 @@ def rollout_estimate(
         )
         out = estimator(config.advantage_estimator).fn(inputs, settings)
         adv[used], keep[used], batch = out.advantages, out.keep, out.batch
-    else:  # no sample in a baseline here; other ranks may still hold some
+    else:  # no sample in a baseline here: the batch step's all-reduces still need this rank, so
+        # the estimator is asked for it on a placeholder sample
         batch = estimator(config.advantage_estimator).fn(_NO_INPUTS, settings).batch
     if config.mask_truncated_completions:  # TRL's mask_truncated_completions, ms-swift's overlong_filter
         keep &= torch.tensor([not cut_short(t) for t in trajectories], dtype=torch.bool)
     return Estimate(advantages=adv, keep=keep, batch=batch)
 
 
-_NO_INPUTS = AdvantageInputs(
-    rewards=torch.zeros(1, dtype=torch.float64),
-    groups=torch.zeros(1, dtype=torch.int64),
-    components=torch.zeros(1, 1, dtype=torch.float64),
+_NO_INPUTS = AdvantageInputs(  # two samples of one group: a leave-one-out baseline exists
+    rewards=torch.zeros(2, dtype=torch.float64),
+    groups=torch.zeros(2, dtype=torch.int64),
+    components=torch.zeros(2, 1, dtype=torch.float64),
     weights=torch.ones(1, dtype=torch.float64),
 )
 

@@ -4,10 +4,11 @@ it logs share one batch-wide scale (GRPO's would each carry their own group's st
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 
 import pytest
-from support.launch import metrics, python
+from support.launch import SMALL, metrics, python, torchrun
 
 
 def test_reinforce_plus_plus_baseline_runs_with_one_scale_for_the_batch(tmp_path):
@@ -36,3 +37,15 @@ def test_reinforce_plus_plus_baseline_runs_with_one_scale_for_the_batch(tmp_path
     assert slopes, "no prompt had samples with different rewards"
     for values in slopes.values():
         assert values == pytest.approx([values[0]] * len(values), rel=1e-3)
+
+
+def test_reinforce_plus_plus_with_dynamic_sampling_on_two_ranks(tmp_path):
+    # the batch step runs after the refill, on the final batch, with both ranks in its all-reduces
+    out = tmp_path / "run"
+    args = ["--advantage-estimator", "reinforce_plus_plus", "--dynamic-sampling", "--max-extra-rounds", "1"]
+    args += ["--steps", "2", "--output-dir", str(out), *SMALL]
+    res = torchrun(*args)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [0, 1] and all(r["samples"] == 16 for r in rows)
+    assert all(math.isfinite(r["loss"]) and "dynamic/extra_rounds" in r for r in rows)

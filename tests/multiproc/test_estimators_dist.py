@@ -25,11 +25,14 @@ def _advantages(samples, config) -> list[float]:
     from interlens_mcore.types import Status, Trajectory
 
     trajectories = []
-    for group, reward, tokens in samples:
+    for group, reward, tokens, *status in samples:
         t = Trajectory(
-            token_ids=list(range(tokens + 1)), loss_mask=[0] + [1] * tokens, rollout_logprobs=None, group=group
+            token_ids=list(range(tokens + 1)),
+            loss_mask=[0] + [1] * tokens,
+            rollout_logprobs=None,
+            group=group,
         )
-        t.reward, t.status = reward, Status.STOPPED
+        t.reward, t.status = reward, Status.FAILED if status else Status.STOPPED
         trajectories.append(t)
     est = rollout_estimate(trajectories, config)
     rollout = Rollout(trajectories=trajectories, rows=[None] * len(trajectories))
@@ -54,3 +57,22 @@ def test_batch_statistics_span_both_ranks(kwargs):
     got = run_ranks(_rank, 2, kwargs, timeout=120)
     assert got[0] + got[1] == pytest.approx(union, rel=1e-6)
     assert got[0] != pytest.approx(alone, rel=1e-3)  # rank 1's samples moved rank 0's values
+
+
+def _rank_one_failed(rank, world):
+    from interlens_mcore.rollout.rollouter import RolloutConfig
+
+    samples = SAMPLES[rank] if rank == 0 else [(g, r, n, "failed") for g, r, n in SAMPLES[rank]]
+    return _advantages(samples, RolloutConfig(num_generations=2, advantage_estimator="reinforce_plus_plus"))
+
+
+def test_a_rank_whose_samples_all_failed_still_joins():
+    # rank 1 has nothing in the loss: it adds zeros to both all-reduces, so nobody waits, and rank 0
+    # gets the statistics of its own samples alone
+    from interlens_mcore.rollout.rollouter import RolloutConfig
+
+    got = run_ranks(_rank_one_failed, 2, timeout=120)
+    alone = _advantages(
+        SAMPLES[0], RolloutConfig(num_generations=2, advantage_estimator="reinforce_plus_plus")
+    )
+    assert got[0] == pytest.approx(alone, rel=1e-6) and got[1] == [0.0] * 4

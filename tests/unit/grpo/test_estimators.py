@@ -34,13 +34,19 @@ def _sample(group: int, reward: float, tokens: int) -> Trajectory:
     return t
 
 
-def _estimated(samples: list[Trajectory], config: RolloutConfig, **kwargs) -> Rollout:
+def _rollout(samples: list[Trajectory], config: RolloutConfig, **kwargs) -> Rollout:
     """One rank's whole pipeline: the local estimate, then the batch step with no other rank."""
     est = rollout_estimate(samples, config, **kwargs)
     rollout = Rollout(trajectories=samples, rows=[None] * len(samples))
     rollout.advantages, rollout.keep, rollout.batch_step = est.advantages, est.keep, est.batch
     whole_batch_advantages(rollout, lambda x: x)
     return rollout
+
+
+def _estimated(samples: list[Trajectory], config: RolloutConfig, **kwargs) -> torch.Tensor:
+    adv = _rollout(samples, config, **kwargs).advantages
+    assert adv is not None
+    return adv
 
 
 # group 0: rewards 1, 0 with 3 and 1 trained tokens; group 1: rewards 2, 2 (no spread), 2 tokens each
@@ -74,7 +80,7 @@ def test_reinforce_plus_plus_baseline_whitens_over_tokens():
     # mean = (3 * 0.5 - 0.5) / 8 = 0.125; deviations [0.375, -0.625, -0.125, -0.125]
     # sum w d^2 = 3 * 0.140625 + 0.390625 + 4 * 0.015625 = 0.875; var = 0.875 / 7 = 0.125
     config = RolloutConfig(advantage_estimator="reinforce_plus_plus_baseline")
-    adv = _estimated(_batch(), config).advantages
+    adv = _estimated(_batch(), config)
     root = math.sqrt(0.125 + 1e-8)
     assert adv.tolist() == pytest.approx([0.375 / root, -0.625 / root, -0.125 / root, -0.125 / root])
 
@@ -83,7 +89,7 @@ def test_reinforce_plus_plus_has_no_group_baseline():
     # returns = rewards [1, 0, 2, 2]; token mean = (3 + 0 + 4 + 4) / 8 = 1.375
     # deviations [-0.375, -1.375, 0.625, 0.625]; sum w d^2 = 0.421875 + 1.890625 + 1.5625 = 3.875
     config = RolloutConfig(advantage_estimator="reinforce_plus_plus")
-    adv = _estimated(_batch(), config).advantages
+    adv = _estimated(_batch(), config)
     root = math.sqrt(3.875 / 7 + 1e-8)
     assert adv.tolist() == pytest.approx([-0.375 / root, -1.375 / root, 0.625 / root, 0.625 / root])
     assert adv[2].item() != 0.0  # a group with no spread still moves: its reward is above the mean
@@ -104,7 +110,7 @@ def test_equal_to_verls_whitening_on_the_token_matrix(name):
     rewards = torch.rand(12, generator=gen, dtype=torch.float64).tolist()
     lengths = torch.randint(1, 7, (12,), generator=gen).tolist()
     samples = [_sample(g, r, n) for g, r, n in zip(groups, rewards, lengths)]
-    ours = _estimated(samples, RolloutConfig(advantage_estimator=name)).advantages
+    ours = _estimated(samples, RolloutConfig(advantage_estimator=name))
     # verl: the sample's score on each of its response tokens (minus its group mean for -baseline)
     scores = torch.tensor(rewards, dtype=torch.float64)
     if name == "reinforce_plus_plus_baseline":
@@ -120,7 +126,7 @@ def test_batch_scale_divides_the_group_centred_advantage_by_the_batch_reward_std
     # TRL scale_rewards="batch": (r - group mean) / (std of every reward in the batch + eps)
     trl_utils = pytest.importorskip("trl.trainer.utils")
     samples = _batch()
-    adv = _estimated(samples, RolloutConfig(scale_rewards="batch")).advantages
+    adv = _estimated(samples, RolloutConfig(scale_rewards="batch"))
     rewards = torch.tensor([r for _, r, _ in SAMPLES], dtype=torch.float64)
     std = float(trl_utils.nanstd(rewards))  # TRL's own std, Bessel-corrected
     # mean 1.25, deviations [-0.25, -1.25, 0.75, 0.75]: sum of squares 2.75, over 3
@@ -138,7 +144,7 @@ def test_normalize_then_sum_follows_trls_steps():
     for t, x, y in zip(samples, a, b):
         t.reward = x + 0.5 * (y or 0.0)
     config = RolloutConfig(multi_objective_aggregation="normalize_then_sum")
-    adv = _estimated(samples, config, components={"a": a, "b": b}, weights=weights).advantages
+    adv = _estimated(samples, config, components={"a": a, "b": b}, weights=weights)
     # TRL 1.16 written out: per function (r - nanmean) / (nanstd + eps) in each group, the
     # weighted nansum, then (sum - mean) / (std + eps) over the batch (TRL's eps is 1e-4, ours 1e-6)
     table = torch.tensor([a, [math.nan if v is None else v for v in b]], dtype=torch.float64).T
@@ -155,8 +161,8 @@ def test_samples_out_of_the_loss_stay_out_of_the_batch_statistics():
     samples = _batch() + [_sample(2, 100.0, 5), _sample(2, -100.0, 5)]
     samples[4].status = Status.FAILED  # out of every baseline; its partner alone has advantage 0
     config = RolloutConfig(advantage_estimator="reinforce_plus_plus_baseline")
-    adv = _estimated(samples, config).advantages
-    alone = _estimated(_batch() + [_sample(2, -100.0, 5)], config).advantages
+    adv = _estimated(samples, config)
+    alone = _estimated(_batch() + [_sample(2, -100.0, 5)], config)
     assert adv[4].item() == 0.0
     # the lone sample of group 2 (centred to 0, 5 tokens) counts; the failed one does not
     assert adv.tolist()[:4] == pytest.approx(alone.tolist()[:4]) and adv[5] == alone[4]
@@ -164,10 +170,10 @@ def test_samples_out_of_the_loss_stay_out_of_the_batch_statistics():
 
 def test_a_batch_step_runs_once():
     samples = _batch()
-    rollout = _estimated(samples, RolloutConfig(advantage_estimator="reinforce_plus_plus"))
-    before = rollout.advantages.clone()
+    rollout = _rollout(samples, RolloutConfig(advantage_estimator="reinforce_plus_plus"))
+    before = _estimated(_batch(), RolloutConfig(advantage_estimator="reinforce_plus_plus"))
     whole_batch_advantages(rollout, lambda x: x * 0 + 1)  # would change everything if it ran again
-    assert torch.equal(rollout.advantages, before)
+    assert rollout.advantages is not None and torch.equal(rollout.advantages, before)
     with pytest.raises(ValueError, match="rollout_estimate"):  # the two-value form cannot do it
         rollout_advantages(samples, RolloutConfig(advantage_estimator="reinforce_plus_plus"))
 
@@ -212,3 +218,27 @@ def test_a_registered_estimator_is_selectable():
             register_advantage_estimator("test_best_baseline")(best)
     finally:
         del ADVANTAGE_ESTIMATORS["test_best_baseline"]
+
+
+def test_the_names_of_verl_and_trl_on_the_command_line():
+    from interlens_mcore.cli.args import parse
+
+    r = parse(["--adv_estimator", "reinforce_plus_plus_baseline"], "test").rollout
+    assert r.advantage_estimator == "reinforce_plus_plus_baseline" and r.advantage_settings.scale == "batch"
+    r = parse(["--scale_rewards", "batch", "--advantage_estimator", "rloo"], "test").rollout
+    assert (r.advantage_estimator, r.advantage_settings.scale, r.advantage_settings.leave_one_out) == (
+        "rloo", "batch", True,
+    )  # fmt: skip
+    r = parse(["--multi_objective_aggregation", "normalize_then_sum"], "test").rollout
+    assert r.advantage_settings.aggregation == "normalize_then_sum"
+
+
+@pytest.mark.parametrize("name", ["reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo"])
+def test_a_rank_with_no_usable_sample_still_has_the_batch_step(name):
+    # its peers' all-reduces need it: the step comes from the settings, whatever the samples
+    samples = _batch()
+    for t in samples:
+        t.status = Status.FAILED
+    est = rollout_estimate(samples, RolloutConfig(advantage_estimator=name))
+    assert (est.batch is not None) == (name != "rloo")
+    assert not est.keep.any() and not est.advantages.any()
