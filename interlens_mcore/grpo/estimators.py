@@ -27,6 +27,7 @@ from the data, or ranks would disagree on running it. Add an estimator with
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -194,7 +195,7 @@ def grpo(inputs: AdvantageInputs, settings: EstimatorSettings) -> Estimate:
 @register_advantage_estimator("rloo", default_scale="none", leave_one_out=True)
 def rloo(inputs: AdvantageInputs, settings: EstimatorSettings) -> Estimate:
     """r - the mean of the group's other samples = n / (n - 1) * (r - group mean)."""
-    return grpo(inputs, settings)
+    return grpo(inputs, dataclasses.replace(settings, leave_one_out=True))
 
 
 @register_advantage_estimator("reinforce_plus_plus_baseline", default_scale="batch", scales=("batch",))
