@@ -34,7 +34,7 @@ from interlens_mcore.cli import (
 )
 from interlens_mcore.cli.args import SECTIONS, Args, LaunchConfig, UsageError, flag, parse, parser
 from interlens_mcore.cli.build import build_trainer, check, world_size
-from interlens_mcore.rollout.rollouter import RolloutConfig
+from interlens_mcore.rollout.rollouter import RolloutConfig, whole_batch_advantages
 from trainers import checkpoint, rundir
 from trainers.config import BackendConfig
 from trainers.report.reporter import fmt, progress_bar
@@ -294,6 +294,8 @@ def play(args: Args, source: Any, folder: Path | None, out: Path, said: str) -> 
         for step in range(rounds):
             # user code in a local phase that ends at the world check, as in training
             rollout, _ = trainer.together("rollout", trainer.scored_rollout, step)
+            # an estimator's batch statistics, after the world check, as train_step runs them
+            whole_batch_advantages(rollout, lambda x: distributed.all_reduce(x, "sum"))
             records = [
                 trajectory_record(t, a, trainer.tokenizer, step)
                 for t, a in zip(rollout.trajectories, rollout.advantages.tolist(), strict=True)

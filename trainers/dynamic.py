@@ -98,5 +98,6 @@ def refill(
         advantages=torch.stack(advantages) if advantages else torch.zeros(0),
         keep=torch.stack(keep) if keep else torch.zeros(0, dtype=torch.bool),
         conversations=conversations,
+        batch_step=first.batch_step,  # every round's is the same: one config
     )
     return batch, components, kept

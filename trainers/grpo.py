@@ -5,7 +5,8 @@ One step, on every rank::
     rows     = tasks.rows(prompts_per_rank, seed)        # a pure function of (seed, step, rank)
     rollout  = rollouter.run(rows, step)                 # collective multi-turn rollout
     rewards  = reward_fns(trajectories, rows)            # weighted, each logged apart
-    adv      = rollout_advantages(trajectories)          # per (prompt, seat) group
+    adv      = rollout_estimate(trajectories)            # per (prompt, seat) group
+    adv      = whole_batch_advantages(rollout)           # batch statistics over the world, if any
     batches  = micro_batches(rollout)                    # packed THD or padded
     for each update: logprobs -> loss -> backward; backend.optimizer_step()
     backend.sync_engine_weights()                        # a colocated vLLM gets the new weights
@@ -39,7 +40,8 @@ from interlens_mcore.rollout.rollouter import (
     RolloutConfig,
     Rollouter,
     micro_batches,
-    rollout_advantages,
+    rollout_estimate,
+    whole_batch_advantages,
 )
 from interlens_mcore.tasks import TaskSource
 
@@ -244,6 +246,8 @@ class GRPOTrainer:
             failures = step_failures(rollout.trajectories, self.step)
         # before the update: a step whose samples mostly failed trains nothing (every rank raises)
         failures.check(self.config.max_failed_fraction)
+        with distributed.stage("advantages"):  # an estimator's batch step: over the world's samples
+            whole_batch_advantages(rollout, lambda x: distributed.all_reduce(x, "sum"))
         with distributed.stage("update"):
             rec = self.update_and_record(rollout, components, t0)
         return {**rec, **failures.figures(), **refilled}, rollout
@@ -353,7 +357,9 @@ class GRPOTrainer:
         rollout = self.tasks.run(self.rollouter, rows, step)
         totals, components = self.rewards.score(rollout.trajectories, rollout.rows, step=step)
         self.score(rollout.trajectories, totals)
-        rollout.advantages, rollout.keep = rollout_advantages(rollout.trajectories, rcfg)
+        # local: an estimator's batch-level statistics wait for train_step, after the world check
+        est = rollout_estimate(rollout.trajectories, rcfg, components, self.rewards.weights)
+        rollout.advantages, rollout.keep, rollout.batch_step = est.advantages, est.keep, est.batch
         return rollout, components
 
     def score(self, trajectories: list, totals: list[float]) -> None:

@@ -24,6 +24,7 @@ ALIASES: dict[str, str] = {
     "overlong_filter": "mask_truncated_completions",  # ms-swift's name of TRL's option
     "dynamic_sample": "dynamic_sampling",  # ms-swift's; verl's algorithm.filter_groups.enable
     "max_resample_times": "max_extra_rounds",  # ms-swift's; verl's filter_groups.max_num_gen_batches - 1
+    "adv_estimator": "advantage_estimator",  # verl's algorithm.adv_estimator (ms-swift's is ours)
 }
 
 REFUSED: dict[str, str] = {

@@ -16,7 +16,7 @@ Rows are `Task`s (`interlens_mcore.tasks`), or message lists when `scheduler()` 
 `MultiTurnScheduler`. Rewards come from `compute_rewards(trajectories, rows)`: by default the
 environments' own (`rewards.environment_reward`); override it or set `reward_fns`. Seats named
 in `frozen_seats` are played by `frozen_engine()`. Our own trainer (`trainers.GRPOTrainer`)
-composes the same pieces (`Rollouter`, reward functions, `rollout_advantages`,
+composes the same pieces (`Rollouter`, reward functions, `rollout_estimate`,
 `micro_batches`) without this class.
 """
 
@@ -25,13 +25,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import cached_property
 
+from .. import distributed
 from ..chat import Tokenizer
 from ..engines.base import Engine
 from ..grpo.batch import Layout, pad_id
 from ..grpo.rewards import RewardFn, WeightedRewards, environment_reward
 from ..types import Trajectory
 from .multiturn import MultiTurnScheduler
-from .rollouter import Rollout, RolloutConfig, Rollouter, RolloutGroup, micro_batches, rollout_advantages
+from .rollouter import (
+    Rollout,
+    RolloutConfig,
+    Rollouter,
+    RolloutGroup,
+    micro_batches,
+    rollout_estimate,
+    whole_batch_advantages,
+)
 
 __all__ = ["Rollout", "RolloutConfig", "RolloutMixin"]
 
@@ -82,7 +91,10 @@ class RolloutMixin:
             rollout.trajectories, self.compute_rewards(rollout.trajectories, rollout.rows), strict=True
         ):
             t.reward = r
-        rollout.advantages, rollout.keep = rollout_advantages(rollout.trajectories, self.rollout_config)
+        est = rollout_estimate(rollout.trajectories, self.rollout_config)
+        rollout.advantages, rollout.keep, rollout.batch_step = est.advantages, est.keep, est.batch
+        # an estimator's batch statistics (REINFORCE++, --scale-rewards batch) over the world's samples
+        whole_batch_advantages(rollout, lambda x: distributed.all_reduce(x, "sum"))
         return rollout
 
     def evaluate(self, rows: Sequence[object], step: int) -> Rollout:

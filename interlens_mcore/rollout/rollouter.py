@@ -26,8 +26,18 @@ import torch
 from ..chat import ChatFormat, Tokenizer
 from ..engines.base import Engine, SamplingParams
 from ..engines.sampler import mix_seed
-from ..grpo.advantages import group_advantages
 from ..grpo.batch import Layout, TrainingBatch, build_batch
+from ..grpo.estimators import (
+    AGGREGATIONS,
+    SCALES,
+    AdvantageInputs,
+    BatchStep,
+    Estimate,
+    EstimatorSettings,
+    Scale,
+    batch_advantages,
+    estimator,
+)
 from ..types import Message, Status, Trajectory
 from .conversation import Conversation, Environment, Participant, Policy
 from .costep import co_step
@@ -76,6 +86,27 @@ class RolloutConfig:
     drop_zero_variance: bool = field(
         default=False, metadata={"help": "leave out groups whose rewards are all equal"}
     )
+    advantage_estimator: str = field(
+        default="grpo",
+        metadata={
+            "help": "grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline or a registered name "
+            "(grpo/estimators.py)"
+        },
+    )
+    scale_rewards: Literal["group", "batch", "none"] | None = field(
+        default=None,
+        metadata={
+            "help": "divide advantages by the group's reward std, the whole batch's (all ranks), or "
+            "nothing (default: the estimator's own; for grpo --scale-by-std decides)"
+        },
+    )
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = field(
+        default="sum_then_normalize",
+        metadata={
+            "help": "several reward functions: advantages of their weighted sum, or each normalised in "
+            "its group, then summed and normalised over the batch (TRL's names; grpo only)"
+        },
+    )
     mask_truncated_completions: bool = field(
         default=False,
         metadata={
@@ -116,7 +147,61 @@ class RolloutConfig:
                 f"RolloutConfig.on_timeout must be one of ('zero', 'drop'), got {self.on_timeout!r}"
             )
         check_on_sample_error(self.on_sample_error, "RolloutConfig.on_sample_error")
+        self.check_advantages()
         _ = self.sampling  # SamplingParams validates temperature and max_new_tokens
+
+    def check_advantages(self) -> None:
+        name = self.advantage_estimator
+        spec = estimator(name, "RolloutConfig.advantage_estimator")  # names the registered ones
+        if self.scale_rewards is not None and self.scale_rewards not in SCALES:
+            raise ValueError(
+                f"RolloutConfig.scale_rewards must be one of {SCALES} or None, got {self.scale_rewards!r}"
+            )
+        if self.multi_objective_aggregation not in AGGREGATIONS:
+            raise ValueError(
+                f"RolloutConfig.multi_objective_aggregation must be one of {AGGREGATIONS}, "
+                f"got {self.multi_objective_aggregation!r}"
+            )
+        if self.scale_rewards is not None and self.scale_rewards not in spec.scales:
+            raise ValueError(
+                f"RolloutConfig.scale_rewards {self.scale_rewards!r} does not fit advantage_estimator "
+                f"{name!r}, which takes {spec.scales}"
+            )
+        if not self.scale_by_std and (name != "grpo" or self.scale_rewards not in (None, "none")):
+            raise ValueError(
+                f"RolloutConfig.scale_by_std=False is grpo's switch (with scale_rewards unset); with "
+                f"advantage_estimator {name!r} and scale_rewards {self.scale_rewards!r} set "
+                "scale_rewards instead"
+            )
+        if self.leave_one_out and name not in ("grpo", "rloo"):
+            raise ValueError(
+                "RolloutConfig.leave_one_out is a baseline of grpo / rloo, not of advantage_estimator "
+                f"{name!r}"
+            )
+        if self.multi_objective_aggregation == "normalize_then_sum" and (
+            name != "grpo" or self.scale_rewards is not None or self.leave_one_out or not self.scale_by_std
+        ):
+            raise ValueError(
+                "RolloutConfig.multi_objective_aggregation 'normalize_then_sum' normalises each reward in "
+                "its group and the sum over the batch by itself: it takes advantage_estimator 'grpo' with "
+                "scale_rewards, leave_one_out and scale_by_std left at their defaults"
+            )
+
+    @property
+    def advantage_settings(self) -> EstimatorSettings:
+        """The estimator's settings, `scale_rewards` resolved (unset: the estimator's default)."""
+        spec = estimator(self.advantage_estimator)
+        scale: Scale = spec.default_scale
+        if self.scale_rewards is not None:
+            scale = self.scale_rewards
+        elif self.advantage_estimator == "grpo" and not self.scale_by_std:
+            scale = "none"
+        return EstimatorSettings(
+            scale=scale,
+            leave_one_out=self.leave_one_out or spec.leave_one_out,
+            drop_zero_variance=self.drop_zero_variance,
+            aggregation=self.multi_objective_aggregation,
+        )
 
     @property
     def sampling(self) -> SamplingParams:
@@ -194,6 +279,7 @@ class Rollout:
     rows: list[object]  # [N] the row each trajectory came from
     advantages: torch.Tensor | None = None  # [N] float32
     keep: torch.Tensor | None = None  # [N] bool: False for dropped groups and dropped timeouts
+    batch_step: BatchStep | None = None  # the estimator's step still to run over the world's batch
     conversations: list[Conversation] = field(default_factory=list)  # this rank's; empty for schedulers
 
     @property
@@ -493,12 +579,31 @@ def describe(t: Trajectory, conv: Conversation, sample: Sample[object] | None = 
 def rollout_advantages(
     trajectories: Sequence[Trajectory], config: RolloutConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Advantages [N] and keep [N] per (prompt, seat) group; timed-out samples scored 0 or left out,
-    failed ones (status FAILED, whatever marked them: the rollout or a reward) and unscored ones
-    (every reward function returned None) always left out.
+    """`rollout_estimate`'s advantages [N] and keep [N], for an estimator with no batch step."""
+    out = rollout_estimate(trajectories, config)
+    if out.batch is not None:
+        raise ValueError(
+            f"advantage_estimator {config.advantage_estimator!r} with scale_rewards "
+            f"{config.advantage_settings.scale!r} needs the whole batch's statistics: use rollout_estimate "
+            "and then whole_batch_advantages"
+        )
+    return out.advantages, out.keep
+
+
+def rollout_estimate(
+    trajectories: Sequence[Trajectory],
+    config: RolloutConfig,
+    components: Mapping[str, Sequence[float | None]] | None = None,
+    weights: Sequence[float] | None = None,
+) -> Estimate:
+    """The estimator's advantages [N], keep [N] and batch step per (prompt, seat) group; timed-out
+    samples scored 0 or left out, failed ones (status FAILED, whatever marked them: the rollout or a
+    reward) and unscored ones (every reward function returned None) always left out.
 
     Rewards must be set. A dropped sample must not move its group's baseline, so advantages are
-    computed over the others only.
+    computed over the others only. `components` (each reward function's values, None where it gave
+    none) and their `weights` are what `multi_objective_aggregation="normalize_then_sum"` reads;
+    without them the total is the one component.
     """
     timed_out = [t.status is Status.TIMEOUT for t in trajectories]
     if config.on_timeout == "zero":
@@ -512,24 +617,84 @@ def rollout_advantages(
     key = [t.group * len(seats) + seats.index(t.participant) for t in trajectories]  # (prompt, seat)
     used = [i for i, out in enumerate(dropped) if not out]
     used = [i for i in used if not trajectories[i].infos.unscored]  # every reward said None (TRL)
-    if config.leave_one_out:  # a sample its group's drops left alone has no baseline: it leaves too
+    settings = config.advantage_settings
+    if settings.leave_one_out:  # a sample its group's drops left alone has no baseline: it leaves too
         full = {k: key.count(k) for k in set(key)}
         left = {k: sum(key[i] == k for i in used) for k in set(key)}
         used = [i for i in used if left[key[i]] > 1 or full[key[i]] == 1]
     adv = torch.zeros(len(trajectories))
     keep = torch.zeros(len(trajectories), dtype=torch.bool)
+    batch: BatchStep | None = None
     if used:
-        a, k = group_advantages(
-            [_reward(trajectories[i]) for i in used],
-            [key[i] for i in used],
-            scale_by_std=config.scale_by_std,
-            leave_one_out=config.leave_one_out,
-            drop_zero_variance=config.drop_zero_variance,
+        zeroed = timed_out if config.on_timeout == "zero" else None
+        table = _components(trajectories, components, weights, zeroed)
+        _, dense = torch.unique(torch.tensor([key[i] for i in used]), return_inverse=True)
+        inputs = AdvantageInputs(
+            rewards=torch.tensor([_reward(trajectories[i]) for i in used], dtype=torch.float64),
+            groups=dense,
+            components=table[0][used],
+            weights=table[1],
         )
-        adv[used], keep[used] = a, k
+        out = estimator(config.advantage_estimator).fn(inputs, settings)
+        adv[used], keep[used], batch = out.advantages, out.keep, out.batch
+    else:  # no sample in a baseline here: the batch step's all-reduces still need this rank, so
+        # the estimator is asked for it on a placeholder sample
+        batch = estimator(config.advantage_estimator).fn(_NO_INPUTS, settings).batch
     if config.mask_truncated_completions:  # TRL's mask_truncated_completions, ms-swift's overlong_filter
         keep &= torch.tensor([not cut_short(t) for t in trajectories], dtype=torch.bool)
-    return adv, keep
+    return Estimate(advantages=adv, keep=keep, batch=batch)
+
+
+_NO_INPUTS = AdvantageInputs(  # two samples of one group: a leave-one-out baseline exists
+    rewards=torch.zeros(2, dtype=torch.float64),
+    groups=torch.zeros(2, dtype=torch.int64),
+    components=torch.zeros(2, 1, dtype=torch.float64),
+    weights=torch.ones(1, dtype=torch.float64),
+)
+
+
+def _components(
+    trajectories: Sequence[Trajectory],
+    components: Mapping[str, Sequence[float | None]] | None,
+    weights: Sequence[float] | None,
+    zeroed: Sequence[bool] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, F] each function's values (NaN: none given; 0 for a sample `zeroed` marks) and [F] weights."""
+    n = len(trajectories)
+    if components is None:
+        totals = torch.tensor([[_reward(t)] for t in trajectories], dtype=torch.float64)  # [N, 1]
+        return totals, torch.ones(1, dtype=torch.float64)
+    names = list(components)
+    w = [1.0] * len(names) if weights is None else [float(x) for x in weights]
+    if len(w) != len(names) or any(len(components[k]) != n for k in names):
+        raise ValueError(
+            f"rollout_estimate: components must give {n} values for each of {len(w)} weights, got "
+            f"{ {k: len(v) for k, v in components.items()} }"
+        )
+    rows = [[components[k][i] for k in names] for i in range(n)]
+    table = torch.tensor(
+        [[math.nan if v is None else float(v) for v in row] for row in rows], dtype=torch.float64
+    ).reshape(n, len(names))
+    if zeroed is not None:
+        table[torch.tensor(list(zeroed), dtype=torch.bool)] = 0.0
+    return table, torch.tensor(w, dtype=torch.float64)
+
+
+def whole_batch_advantages(rollout: Rollout, reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """The rollout's batch step (if any) on its advantages, in place, with statistics over the samples
+    in the loss of every rank `reduce_sum` spans (collective: call it on every rank, after the
+    step's local phases; `reduce_sum` sums a float64 tensor over the world)."""
+    step = rollout.batch_step
+    if step is None:
+        return
+    assert rollout.advantages is not None and rollout.keep is not None, "score the rollout first"
+    tokens = torch.tensor([float(t.num_trained_tokens) for t in rollout.trajectories], dtype=torch.float64)
+    each = tokens if step.by_tokens else torch.ones_like(tokens)
+    weights = torch.where(rollout.keep & (tokens > 0), each, 0.0)  # [N]: the samples in the loss
+    rewards = torch.tensor([_reward(t) for t in rollout.trajectories], dtype=torch.float64)
+    adv = batch_advantages(rollout.advantages, rewards, weights, step, reduce_sum)
+    rollout.advantages = torch.where(rollout.keep, adv, torch.zeros_like(adv))
+    rollout.batch_step = None  # done: a second call must not scale twice
 
 
 def cut_short(t: Trajectory) -> bool:

@@ -546,6 +546,23 @@ SECTIONS: list[tuple[str, list[Refusal]]] = [
         ],
     ),
     (
+        "Advantage estimators",
+        [
+            Refusal(
+                "an estimator nobody registered",
+                ("--advantage-estimator", "gae"),
+                "--advantage-estimator must be one of ('grpo', 'rloo', 'reinforce_plus_plus_baseline', "
+                "'reinforce_plus_plus') (register_advantage_estimator adds one), got 'gae'",
+            ),
+            Refusal(
+                "a scale the estimator does not take",
+                ("--advantage-estimator", "reinforce_plus_plus", "--scale-rewards", "group"),
+                "--scale-rewards 'group' does not fit advantage_estimator 'reinforce_plus_plus', "
+                "which takes ('batch',)",
+            ),
+        ],
+    ),
+    (
         "Agents (--agent)",
         [
             Refusal(
