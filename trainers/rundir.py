@@ -59,6 +59,23 @@ def identity(run: Mapping[str, object]) -> dict[str, object]:
     return {k: v for k, v in run.items() if k not in RESUMABLE}
 
 
+def option_defaults() -> dict[str, object]:
+    """Every trainer, backend, rollout and loss option's default, by name, as run.json holds them."""
+    import dataclasses
+
+    from interlens_mcore.grpo.loss.config import LossConfig
+    from interlens_mcore.rollout.rollouter import RolloutConfig
+
+    from .config import BackendConfig, TrainerConfig
+
+    out: dict[str, object] = {}
+    for cls in (TrainerConfig, BackendConfig, RolloutConfig, LossConfig):
+        for f in dataclasses.fields(cls):
+            if f.default is not dataclasses.MISSING:
+                out[f.name] = f.default
+    return json.loads(json.dumps(out, default=str))  # as json gives them back (tuples as lists)
+
+
 def check(out: Path, run: Mapping[str, object], *, resume: bool) -> None:
     """Raise RunDirError unless `out` may take `run` (reads only)."""
     if out.exists() and not out.is_dir():
@@ -74,6 +91,9 @@ def check(out: Path, run: Mapping[str, object], *, resume: bool) -> None:
             "(or --resume with a larger --steps to extend it), or choose an empty folder"
         )
     old, new = identity(json.loads(info.read_text())), identity(run)
+    # an option newer than the run's run.json, left at its default, is what the run did
+    defaults = option_defaults()
+    old.update({k: v for k, v in new.items() if k not in old and k in defaults and defaults[k] == v})
     changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
     if changed:
         said = "; ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed)
