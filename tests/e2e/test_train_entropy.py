@@ -35,3 +35,21 @@ def test_entropy_bonus_under_tp2(tmp_path):
     rows = metrics(out)
     _check(rows, 2)
     assert all(r["grad_norm"] > 0 and math.isfinite(r["grad_norm"]) for r in rows)
+
+
+def test_top_entropy_mask_over_two_dp_ranks_with_geo_mean(tmp_path):
+    # the threshold is the 0.7 quantile of both ranks' loss-token entropies (a collective)
+    out = tmp_path / "run"
+    args = [
+        "--top-entropy-quantile",
+        "0.3",
+        "--policy-loss",
+        "geo_mean",
+        "--aggregation",
+        "seq-mean-token-mean",
+    ]
+    res = torchrun("--output-dir", str(out), "--steps", "2", *args, *SMALL)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = metrics(out)
+    _check(rows, 2)
+    assert all(0.5 <= r["entropy/masked_fraction"] < 1.0 for r in rows)

@@ -216,3 +216,34 @@ def test_cispo_equals_trl(name, level):
     ref_loss, ref_grad = theirs("cispo", lp, level=level, epsilon_high=1.3)
     assert loss == pytest.approx(ref_loss, abs=1e-6)
     assert torch.allclose(grad, ref_grad, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["sapo", "cispo_seq", "geo_mean", "clip_cov", "kl_cov"])
+def test_named_losses_packed_equal_padded(name):
+    from interlens_mcore.grpo.batch import build_batch
+    from interlens_mcore.grpo.loss.objective import batch_loss
+    from interlens_mcore.types import Trajectory
+
+    # logprobs from a table of (input id, target) pairs: both layouts read the same values. The
+    # clip_cov bounds make every unclipped token a candidate, so its draw is compared too.
+    torch.manual_seed(3)
+    v = 9
+    table = (-torch.rand(v, v) * 2).requires_grad_(True)
+    shift = torch.randn(v, v) * 0.3
+    ids = [[1, 4, 2, 7, 3], [2, 2, 5, 8], [6, 1, 3, 3, 0, 5]]
+    masks = [[0, 1, 1, 1, 1], [0, 0, 1, 1], [0, 1, 1, 0, 1, 1]]
+    ts = [Trajectory(token_ids=i, loss_mask=m, rollout_logprobs=None) for i, m in zip(ids, masks)]
+    adv = [1.0, -0.5, 0.7]
+    config = cfg(policy_loss=name, aggregation="seq-mean-token-mean", clip_cov_lb=-100.0, kl_cov_ratio=0.2)
+    results = []
+    for layout in ("packed", "padded"):
+        b = build_batch(ts, adv, layout=layout)
+        lp = table[b.input_ids, b.targets]
+        old = (lp + shift[b.input_ids, b.targets]).detach()
+        table.grad = None
+        loss, m = batch_loss(lp, b, config, old_logprobs=old, num_tokens=10, num_sequences=3)
+        loss.backward()
+        results.append((loss.item(), table.grad.clone(), m["clip/tokens_clipped"].item()))
+    (packed, g_packed, c_packed), (padded, g_padded, c_padded) = results
+    assert packed == pytest.approx(padded, abs=1e-6) and c_packed == c_padded
+    assert torch.allclose(g_packed, g_padded, atol=1e-6)
