@@ -53,3 +53,22 @@ def test_top_entropy_mask_over_two_dp_ranks_with_geo_mean(tmp_path):
     rows = metrics(out)
     _check(rows, 2)
     assert all(0.5 <= r["entropy/masked_fraction"] < 1.0 for r in rows)
+
+
+def test_entropy_bonus_on_deepspeed(tmp_path):
+    out = tmp_path / "run"
+    args = [
+        "--backend",
+        "deepspeed",
+        "--zero-stage",
+        "1",
+        "--entropy-coeff",
+        "0.01",
+        "--policy-loss",
+        "kl_cov",
+    ]
+    res = torchrun("--output-dir", str(out), "--steps", "2", *args, *SMALL)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = metrics(out)
+    _check(rows, 2)
+    assert all(r["grad_norm"] > 0 and math.isfinite(r["grad_norm"]) for r in rows)
