@@ -101,3 +101,20 @@ def test_a_loss_fn_without_the_entropy_arguments_still_works_when_off():
 
     result = update(EntropyBackend(), _batches(ts, adv, 2), rollout, loss_config=CFG, loss_fn=old_style)
     assert result.metrics["tokens"] == 12.0
+
+
+def test_several_updates_keep_the_mask_and_differentiate_each_forward():
+    # two updates over two micro-batches: the mask is decided once, before the first backward;
+    # every update's forward gives its own entropy, so the bonus moves both steps' gradients
+    rollout, ts, adv = _rollout()
+    batches = _batches(ts, adv, 2)
+    runs = {}
+    for coeff in (0.0, 0.3):
+        backend = EntropyBackend()
+        config = LossConfig(beta=0.0, is_mode="none", entropy_coeff=coeff, top_entropy_quantile=0.5)
+        result = update(backend, batches, rollout, loss_config=config, updates=2)
+        assert result.skipped == 0 and 0 < result.metrics["entropy/masked_fraction"] < 1
+        runs[coeff] = backend.grads
+    assert len(runs[0.3]) == 2
+    for plain, bonus in zip(runs[0.0], runs[0.3]):
+        assert not torch.allclose(plain, bonus)
