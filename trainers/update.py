@@ -69,6 +69,9 @@ def update(
     """`updates` optimizer steps on `batches` (None: this rank has no rows for that micro-batch)."""
     cfg = loss_config
     placeholder = _placeholder(rollout, backend)
+    bonus = cfg.entropy_coeff > 0
+    if bonus:  # the backends then give `token_entropy` with gradient on a policy forward
+        backend.entropy_grad = True  # type: ignore[attr-defined]
     refs = [backend.logprobs_of(b, reference=True) if b and cfg.beta > 0 else None for b in batches]
     # Which tokens stay in the loss (non-finite logprobs and rejection rules remove some) must be
     # known before the first backward, since both global denominators leave them out. With one
@@ -80,7 +83,7 @@ def update(
     if single:
         first = backend.logprobs_of(batches[0] or placeholder)
         old = [first.detach() if batches[0] else None]
-        entropies.append(getattr(backend, "token_entropy", None))
+        entropies.append(_entropy(backend, grad=bonus))
     else:
         old = []
         with torch.no_grad():
@@ -101,7 +104,7 @@ def update(
                 counts[2:4] += is_weight_sums(b, o, m, cfg)
             if h is not None and h.shape == m.shape:  # over the loss tokens
                 kept = m.bool()
-                counts[4] += float(h[kept].double().sum())
+                counts[4] += float(h[kept].detach().double().sum())
                 counts[5] += float(kept.sum())
     # global denominators: the loss of every micro-batch on every DP rank sums to the mean
     total = distributed.all_reduce(counts, group=dp_group).tolist()
@@ -109,6 +112,12 @@ def update(
     entropy = {"entropy": entropy_sum / entropy_count} if entropy_count else {}
     if num_tokens == 0:  # nothing trainable anywhere (e.g. every group dropped or rejected)
         return UpdateResult({"grad_norm": 0.0, "skipped": 1.0, "step_skipped": 0.0, **entropy}, skipped=0)
+    # top_entropy_quantile: decided here, before the first backward, from every DP rank's tokens
+    high: list[torch.Tensor | None] = [None] * len(batches)
+    if cfg.top_entropy_quantile < 1:
+        high, entropy["entropy/masked_fraction"] = top_entropy_masks(
+            masks, entropies, cfg.top_entropy_quantile, dp_group
+        )
     extra = {"is_weight_mean": w_sum / w_count if w_count else 1.0} if cfg.is_batch_normalize else {}
     skipped, sums, grad_norm = 0, None, 0.0
     for k in range(updates):
@@ -117,12 +126,16 @@ def update(
             real = batch is not None
             mb = batch if batch is not None else placeholder
             lp = first if single and k == 0 else backend.logprobs_of(mb)
-            kwargs = {
+            kwargs: dict[str, object] = {
                 "old_logprobs": old[i] if updates > 1 and real else None,
                 "ref_logprobs": refs[i] if real else (lp.detach() if cfg.beta > 0 else None),
                 "token_mask": masks[i] if real else None,
                 **extra,
             }
+            if bonus:
+                kwargs["entropy"] = entropies[0] if single and k == 0 else _entropy(backend, grad=True)
+            if cfg.top_entropy_quantile < 1:
+                kwargs["entropy_mask"] = high[i] if real else None
             loss, metrics = loss_fn(lp, mb, cfg, num_tokens=num_tokens, num_sequences=num_sequences, **kwargs)
             # a rank with no rows still joins the gradient all-reduce, contributing zero
             loss = loss if real else loss * 0.0
@@ -142,6 +155,67 @@ def update(
     reduced = reduce_metrics(sums, dp_group)
     figures = {**reduced, **entropy, "grad_norm": grad_norm, "step_skipped": float(skipped > 0)}
     return UpdateResult(figures, skipped)
+
+
+def _entropy(backend: Trainable, *, grad: bool) -> torch.Tensor | None:
+    """The backend's `token_entropy` of its last policy forward; with `grad`, it must carry one."""
+    h = getattr(backend, "token_entropy", None)
+    if grad and (h is None or not h.requires_grad):
+        raise ValueError(
+            f"--entropy-coeff > 0 needs the policy entropy with gradient, which the backend "
+            f"{type(backend).__name__} does not give (token_entropy is "
+            f"{'missing' if h is None else 'without gradient'})"
+        )
+    return h
+
+
+def top_entropy_masks(
+    masks: list[torch.Tensor | None],
+    entropies: list[torch.Tensor | None],
+    quantile: float,
+    group: ProcessGroup | None,
+) -> tuple[list[torch.Tensor | None], float]:
+    """([B, T] masks of the loss tokens whose entropy is in the top `quantile` fraction, one per
+    micro-batch; the fraction of loss tokens left out), collective over `group`.
+
+    The threshold is the (1 - quantile) quantile (linear interpolation, as `torch.quantile`) of
+    the entropies of every loss token of the step on every rank of `group`; a token at or above
+    it gets the policy loss (TRL's `top_entropy_quantile`)."""
+    local: list[torch.Tensor] = []
+    for m, h in zip(masks, entropies):
+        if m is None:
+            continue
+        if h is None or h.shape != m.shape:
+            raise ValueError(
+                "--top-entropy-quantile < 1 needs the policy entropy of every loss token, which the "
+                f"backend does not give (token_entropy is {'missing' if h is None else tuple(h.shape)}, "
+                f"the batch {tuple(m.shape)})"
+            )
+        local.append(h.detach()[m.bool()].float().cpu())
+    mine = torch.cat(local) if local else torch.zeros(0)
+    sizes = distributed.all_gather_tensor(torch.tensor([mine.numel()]), group)
+    longest = max(int(n) for n in sizes)
+    padded = torch.cat([mine, mine.new_zeros(longest - mine.numel())])
+    gathered = distributed.all_gather_tensor(padded, group)
+    values = torch.cat([g[: int(n)] for g, n in zip(gathered, sizes)])
+    if values.numel() == 0:
+        return [None if m is None else torch.zeros_like(m, dtype=torch.bool) for m in masks], 0.0
+    threshold = float(_quantile(values, 1 - quantile))
+    out: list[torch.Tensor | None] = []
+    for m, h in zip(masks, entropies):
+        out.append(None if m is None or h is None else m.bool() & (h.detach().float() >= threshold))
+    return out, float((values < threshold).sum()) / values.numel()
+
+
+def _quantile(values: torch.Tensor, q: float) -> torch.Tensor:
+    """torch.quantile's linear interpolation, also past its input-size limit (2^24 elements)."""
+    if values.numel() < 2**24:
+        return torch.quantile(values, q)
+    ordered = values.sort().values
+    pos = q * (values.numel() - 1)
+    lo = int(pos)
+    hi = min(lo + 1, values.numel() - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def _placeholder(rollout: Rollout, backend: Trainable) -> TrainingBatch:

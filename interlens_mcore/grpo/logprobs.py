@@ -92,13 +92,19 @@ def vocab_parallel_token_logprobs(
     return picked - shift - torch.log(sum_exp)
 
 
-def token_entropy(logits: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy of softmax(logits / temperature) at each position, in nats; float32 [...], no grad.
+def token_entropy(logits: torch.Tensor, *, temperature: float = 1.0, grad: bool = False) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature) at each position, in nats; float32 [...].
 
     logits [..., V]: the distribution the engine sampled from (the same scaling as
-    `token_logprobs`), so its entropy is the policy's at sampling time."""
+    `token_logprobs`), so its entropy is the policy's at sampling time. grad: differentiable
+    (for an entropy bonus); otherwise computed without gradient."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    if grad:
+        logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+        p = logp.exp()
+        # a column of probability 0 adds 0 (and no NaN gradient from -inf * 0)
+        return -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(dim=-1)
     with torch.no_grad():
         x = logits.detach().float() / temperature
         logp = torch.log_softmax(x, dim=-1)
@@ -107,13 +113,30 @@ def token_entropy(logits: torch.Tensor, *, temperature: float = 1.0) -> torch.Te
 
 
 def vocab_parallel_token_entropy(
-    logits: torch.Tensor, *, temperature: float = 1.0, group: ProcessGroup | None = None
+    logits: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    group: ProcessGroup | None = None,
+    grad: bool = False,
 ) -> torch.Tensor:
     """`token_entropy` from this rank's vocabulary shard (logits [..., V_shard]), the same on every
     rank of `group`: H = log Z - E_p[x] with x = logits / temperature, from three all-reduces over
-    [...] (the max, the sum of exps, the sum of exp-weighted logits); no gradient."""
+    [...] (the max, the sum of exps, the sum of exp-weighted logits).
+
+    grad: differentiable, with `vocab_parallel_token_logprobs`'s convention (the sums' backward
+    is the identity, the loss downstream being replicated over the group): each rank's shard
+    gets its slice of the full-vocabulary gradient -p (x - E_p[x]) / temperature."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    if grad:
+        x = logits.float() / temperature
+        # the shift cancels in H, so it carries no gradient
+        shift = x.detach().amax(dim=-1)
+        distributed.all_reduce(shift, "max", group)
+        e = torch.exp(x - shift.unsqueeze(-1))
+        ex = e * torch.where(e > 0, x, torch.zeros_like(x))  # a -inf logit adds 0
+        sums = distributed.all_reduce_replicated(torch.stack([e.sum(dim=-1), ex.sum(dim=-1)]), group)
+        return shift + torch.log(sums[0]) - sums[1] / sums[0]
     with torch.no_grad():
         x = logits.detach().float() / temperature
         shift = x.amax(dim=-1)

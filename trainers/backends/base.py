@@ -61,8 +61,10 @@ class Backend(Protocol):
     def logprobs_of(self, batch: TrainingBatch, *, reference: bool = False) -> torch.Tensor:
         """[B, T] logprobs of batch.targets: the trained model's (with gradient) or the reference's.
 
-        A backend may also set `token_entropy` [B, T] (no grad) on a policy forward: the
-        entropy of the policy at each position, which the step logs as `entropy`."""
+        A backend may also set `token_entropy` [B, T] on a policy forward: the entropy of the
+        policy at each position, which the step logs as `entropy`, without gradient unless the
+        step has set `entropy_grad = True` (an entropy bonus, `--entropy-coeff`) and the forward
+        runs with gradient enabled."""
 
     def backward(self, loss: torch.Tensor) -> None: ...
 

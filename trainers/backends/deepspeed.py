@@ -212,6 +212,7 @@ class DeepSpeedBackend:
         self.groups, self.tokenizer, self.temperature = groups, tokenizer, temperature or 1.0
         # the policy's entropy at each position of its last forward (the `entropy` metric), no grad
         self.token_entropy: torch.Tensor | None = None
+        self.entropy_grad = False  # set by the step when an entropy bonus needs the gradient
         self._frozen_engine: HFEngine | None = None  # a frozen opponent's: built on first use
         self.model_path = Path(model_path)
         self.zero_stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
@@ -292,8 +293,9 @@ class DeepSpeedBackend:
         logits = model(
             input_ids=batch.input_ids, attention_mask=attention, position_ids=batch.position_ids
         ).logits
-        if entropy:
-            self.token_entropy = token_entropy(logits, temperature=self.temperature)  # [N, T]
+        if entropy:  # with gradient for an entropy bonus
+            grad = self.entropy_grad and torch.is_grad_enabled()
+            self.token_entropy = token_entropy(logits, temperature=self.temperature, grad=grad)  # [N, T]
         return token_logprobs(logits, batch.targets, temperature=self.temperature)  # [N, T]
 
     def backward(self, loss: torch.Tensor) -> None:

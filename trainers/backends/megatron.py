@@ -101,6 +101,7 @@ class MegatronBackend:
         self.groups, self.temperature, self.tokenizer = groups, temperature or 1.0, tokenizer
         # the policy's entropy at each position of its last forward (the `entropy` metric), no grad
         self.token_entropy: torch.Tensor | None = None
+        self.entropy_grad = False  # set by the step when an entropy bonus needs the gradient
         self._frozen_engine: MegatronEngine | None = None  # a frozen opponent's: built on first use
         self.compute_dtype = compute_dtype  # autocast dtype of every forward (None: the weights')
         self.model_path = Path(model_path)  # an HF folder or a sharded megatron checkpoint
@@ -196,10 +197,11 @@ class MegatronBackend:
         )
         targets = batch.targets[0]  # [T]
         t = self.temperature
+        grad = self.entropy_grad and torch.is_grad_enabled()  # an entropy bonus differentiates it
         if self.groups.tp_size == 1:
             lp = token_logprobs(logits, targets, temperature=t)
             if entropy:
-                self.token_entropy = token_entropy(logits, temperature=t)[None]
+                self.token_entropy = token_entropy(logits, temperature=t, grad=grad)[None]
         else:
             lp = vocab_parallel_token_logprobs(
                 logits,
@@ -209,7 +211,7 @@ class MegatronBackend:
                 group=self.groups.tp,
             )
             if entropy:  # exact under TP: from the shards, the same on every rank of the group
-                h = vocab_parallel_token_entropy(logits, temperature=t, group=self.groups.tp)
+                h = vocab_parallel_token_entropy(logits, temperature=t, group=self.groups.tp, grad=grad)
                 self.token_entropy = h[None]
         return lp[None]  # [1, T]
 

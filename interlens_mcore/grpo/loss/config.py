@@ -7,6 +7,7 @@ and the defaults are the command line's. Validation names the field that is wron
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from interlens_mcore.grpo.loss.aggregation import AGGREGATIONS, Aggregation
@@ -35,7 +36,40 @@ class LossConfig:
     )
     policy_loss: str = field(
         default="vanilla",
-        metadata={"help": "surrogate: vanilla (PPO clip), gspo (sequence ratio), cispo, or a registered one"},
+        metadata={
+            "help": "surrogate: vanilla (PPO clip), gspo (sequence ratio), cispo, cispo_seq, sapo, geo_mean "
+            "(GMPO), clip_cov, kl_cov, or a registered one"
+        },
+    )
+    sapo_temperature_pos: float = field(
+        default=1.0, metadata={"help": "sapo: gate temperature where A > 0 (verl tau_pos)"}
+    )
+    sapo_temperature_neg: float = field(
+        default=1.05, metadata={"help": "sapo: gate temperature where A <= 0 (verl tau_neg)"}
+    )
+    clip_cov_ratio: float = field(
+        default=0.0002, metadata={"help": "clip_cov: fraction of the valid tokens whose gradient is dropped"}
+    )
+    clip_cov_lb: float = field(
+        default=1.0, metadata={"help": "clip_cov: lower bound of the covariance of a droppable token"}
+    )
+    clip_cov_ub: float = field(
+        default=5.0, metadata={"help": "clip_cov: upper bound of the covariance of a droppable token"}
+    )
+    kl_cov_ratio: float = field(
+        default=0.0002, metadata={"help": "kl_cov: fraction of the valid tokens given the |log r| penalty"}
+    )
+    ppo_kl_coef: float = field(default=1.0, metadata={"help": "kl_cov: coefficient of the |log r| penalty"})
+    entropy_coeff: float = field(
+        default=0.0,
+        metadata={"help": "entropy bonus: loss -= entropy_coeff * policy entropy, aggregated like the loss"},
+    )
+    top_entropy_quantile: float = field(
+        default=1.0,
+        metadata={
+            "help": "policy loss only on the loss tokens in the top fraction of the step's entropy "
+            "(over every DP rank); 1: all"
+        },
     )
     beta: float = field(
         default=0.1, metadata={"help": "coefficient of KL(train || reference); 0: no reference model"}
@@ -147,6 +181,29 @@ class LossConfig:
             )
         if not self.log_ratio_clamp > 0:
             raise ValueError(f"LossConfig.log_ratio_clamp must be > 0, got {self.log_ratio_clamp!r}")
+        self._check_named_losses()
+
+    def _check_named_losses(self) -> None:
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"LossConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("clip_cov_ratio", "kl_cov_ratio"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"LossConfig.{name} must be in (0, 1], got {getattr(self, name)!r}")
+        if not self.clip_cov_lb < self.clip_cov_ub:
+            raise ValueError(
+                f"LossConfig.clip_cov_lb must be < clip_cov_ub={self.clip_cov_ub!r}, got {self.clip_cov_lb!r}"
+            )
+        if not self.ppo_kl_coef >= 0:
+            raise ValueError(f"LossConfig.ppo_kl_coef must be >= 0, got {self.ppo_kl_coef!r}")
+        if not (math.isfinite(self.entropy_coeff) and self.entropy_coeff >= 0):
+            raise ValueError(
+                f"LossConfig.entropy_coeff must be a finite number >= 0, got {self.entropy_coeff!r}"
+            )
+        if not 0 < self.top_entropy_quantile <= 1:
+            raise ValueError(
+                f"LossConfig.top_entropy_quantile must be in (0, 1], got {self.top_entropy_quantile!r}"
+            )
 
     def _check_kl(self) -> None:
         if not self.beta >= 0:

@@ -56,6 +56,8 @@ class LossInputs:
     num_tokens: int | float | torch.Tensor  # global denominators (every micro-batch and rank)
     num_sequences: int | float | torch.Tensor
     is_weight_mean: float | torch.Tensor | None  # the batch's mean IS weight (is_batch_normalize)
+    entropy: torch.Tensor | None = None  # [B, T] policy entropy with gradient (entropy_coeff > 0)
+    entropy_mask: torch.Tensor | None = None  # [B, T] bool: the tokens given the policy loss
 
     @property
     def num_samples(self) -> int:
@@ -72,6 +74,8 @@ class LossInputs:
             "old_logprobs": self.old_logprobs,
             "ref_logprobs": self.ref_logprobs,
             "token_mask": self.token_mask,
+            "entropy": self.entropy,
+            "entropy_mask": self.entropy_mask,
         }
 
     @property
@@ -110,6 +114,13 @@ def _check_options(config: LossConfig, x: LossInputs) -> None:
             )
         if bool((x.token_mask & ~x.loss_mask.bool()).any()):
             raise ValueError("token_mask must lie within loss_mask (from loss_token_mask of the same batch)")
+    if config.entropy_coeff > 0 and x.entropy is None:
+        raise ValueError(
+            "entropy (the policy's token entropy, with gradient) is required when LossConfig.entropy_coeff "
+            f"> 0 (entropy_coeff={config.entropy_coeff})"
+        )
+    if x.entropy_mask is not None and x.entropy_mask.dtype != torch.bool:
+        raise ValueError(f"entropy_mask must be a bool tensor, got {x.entropy_mask.dtype}")
     mean = x.is_weight_mean
     if config.is_batch_normalize and (mean is None or not float(mean) > 0):
         raise ValueError(
@@ -134,6 +145,8 @@ def grpo_loss(
     num_sequences: int | float | torch.Tensor,
     token_mask: torch.Tensor | None = None,
     is_weight_mean: float | torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    entropy_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO loss of one micro-batch and its metric sums.
 
@@ -147,7 +160,11 @@ def grpo_loss(
     token_mask [B, T] (from `loss_token_mask`, whose tokens the denominators counted) fixes
     which tokens the rejection rules removed; without it they are decided here, and the
     caller's denominators still count the removed tokens. is_weight_mean: the batch's mean IS
-    weight (`is_weight_sums`), required by `is_batch_normalize`.
+    weight (`is_weight_sums`), required by `is_batch_normalize`. entropy [B, T]: the policy's
+    token entropy with gradient, required when `entropy_coeff` > 0: the loss then subtracts
+    entropy_coeff times its aggregate over the kept tokens (the policy loss's aggregation and
+    denominators). entropy_mask [B, T] bool (`top_entropy_quantile`): the kept tokens outside
+    it get no policy loss (KL and entropy terms, and the denominators, still count them).
     Sequence and turn modes, GSPO, 'seq-mean-token-mean' and the per-sample diagnostics need
     each sample entirely in this call.
     """
@@ -165,6 +182,8 @@ def grpo_loss(
         num_tokens=num_tokens,
         num_sequences=num_sequences,
         is_weight_mean=is_weight_mean,
+        entropy=entropy,
+        entropy_mask=entropy_mask,
     )
     _check(x)
     _check_options(config, x)
@@ -178,7 +197,12 @@ def grpo_loss(
     if config.beta > 0:
         kl_loss = _aggregate(x, t, config, config.beta * kl_weights * kl)
     metrics = _metrics(x, t, w, p, kl, config, losses=(policy_loss, kl_loss))
-    return policy_loss + kl_loss, metrics
+    loss = policy_loss + kl_loss
+    if config.entropy_coeff > 0:
+        assert x.entropy is not None, "_check_options requires it with entropy_coeff > 0"
+        h = torch.where(t.valid & torch.isfinite(x.entropy), x.entropy.float(), 0.0)
+        loss = loss - config.entropy_coeff * _aggregate(x, t, config, h)
+    return loss, metrics
 
 
 @dataclass(frozen=True)
@@ -262,7 +286,8 @@ def _policy_terms(x: LossInputs, t: _Tokens, w: _Correction, config: LossConfig)
         num_samples=x.num_samples,
     )
     terms = POLICY_LOSSES[config.policy_loss](inputs, config)
-    return _Policy(lp, terms, torch.where(t.valid, w.weights * terms.per_token, 0.0))
+    gets_loss = t.valid if x.entropy_mask is None else t.valid & x.entropy_mask
+    return _Policy(lp, terms, torch.where(gets_loss, w.weights * terms.per_token, 0.0))
 
 
 def _kl_per_token(x: LossInputs, t: _Tokens, lp: torch.Tensor, config: LossConfig) -> torch.Tensor:

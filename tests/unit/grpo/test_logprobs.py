@@ -162,3 +162,55 @@ def test_vocab_parallel_tp2_matches_full_and_megatron():
         torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(grad, mega_grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(results[0][0], results[1][0])  # replicated over the TP group
+
+
+def test_entropy_gradient_is_the_hand_formula():
+    # dH/dlogits = -p (x - E_p[x]) / T with x = logits / T; a -inf column gets 0, not NaN
+    torch.manual_seed(1)
+    logits = torch.randn(3, 6) * 2
+    logits[0, 2] = -math.inf
+    logits.requires_grad_(True)
+    h = token_entropy(logits, temperature=0.5, grad=True)
+    torch.testing.assert_close(h, token_entropy(logits, temperature=0.5))
+    weights = torch.tensor([1.0, -2.0, 0.5])
+    (g,) = torch.autograd.grad((h * weights).sum(), logits)
+    x = logits.detach() / 0.5
+    p = torch.softmax(x, -1)
+    mean = torch.where(p > 0, p * x, 0.0).sum(-1, keepdim=True)
+    expected = -p * torch.where(p > 0, x - mean, 0.0) / 0.5 * weights[:, None]
+    assert torch.isfinite(g).all() and g[0, 2] == 0
+    torch.testing.assert_close(g, expected)
+    assert not token_entropy(logits).requires_grad  # the default stays gradient-free
+
+
+def _tp2_entropy_worker(rank, world_size, temperature):
+    import torch
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    try:
+        group = parallel_state.get_tensor_model_parallel_group()
+        torch.manual_seed(0)  # same full logits on both ranks
+        vocab, shard = 10, 5
+        full = torch.randn(4, 3, vocab) * 3
+        full[1, 1, 7] = -math.inf  # a masked column on rank 1's shard
+        upstream = torch.randn(4, 3)  # the same loss weights on both ranks, like a replicated loss
+        local = full[..., rank * shard : (rank + 1) * shard].clone().requires_grad_(True)
+        ours = vocab_parallel_token_entropy(local, temperature=temperature, group=group, grad=True)
+        (ours * upstream).sum().backward()
+        full_req = full.clone().requires_grad_(True)
+        ref = token_entropy(full_req, temperature=temperature, grad=True)
+        (ref * upstream).sum().backward()
+        return ours.detach(), ref.detach(), local.grad, full_req.grad[..., rank * shard : (rank + 1) * shard]
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_vocab_parallel_entropy_gradient_tp2_matches_full():
+    results = run_ranks(_tp2_entropy_worker, 2, 0.8, timeout=120)
+    for ours, ref, grad, ref_grad in results:
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+        # the shard's gradient is its slice of the full-vocabulary gradient (not TP times it)
+        assert torch.isfinite(grad).all()
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(results[0][0], results[1][0])
