@@ -197,9 +197,8 @@ def main(argv: list[str] | None = None) -> dict:
     overrides: dict[str, Any] = MODELS[args.model]
     model, tok = load_tiny(ensure_tiny_model(**overrides) if overrides else None)
     engine = Counting(HFEngine(model, tok))
-    warm = argparse.Namespace(**{**vars(args), "agents": 4, "turns": 1, "max_new_tokens": 4})
-    for path in RUNS:  # warm-up: imports, the first forward, the client's first connection
-        once(path, engine, tok, warm)
+    for path in RUNS:  # warm-up at full size: imports, the allocator's growth, the first connections
+        once(path, engine, tok, args)
     reps = [once(path, engine, tok, args) for _ in range(args.repeats) for path in RUNS]
     by = {path: [r for r in reps if r["path"] == path] for path in RUNS}
     out: dict = {
@@ -226,6 +225,10 @@ def main(argv: list[str] | None = None) -> dict:
     out["repetitions"] = reps
     if args.profile:
         print(profile(engine, tok, args))
+    if not args.json:  # the repetitions one a line, then the medians (emit)
+        for r in reps:
+            load = f"load {r['load_before']}-{r['load_after']}"
+            print(f"{r['path']:>9}: {r['wall_s']:8.3f} s {r['tokens_per_s']:9.1f} tok/s, {load}")
     return emit(out, args.json)
 
 
