@@ -71,6 +71,7 @@ KNOWN = (
     "n",
     "seed",
     "stop",
+    "ignore_eos",
     "stream",
     "tools",
     "tool_choice",
@@ -116,6 +117,7 @@ class CallSpec:
     stream: bool = False
     include_usage: bool = False
     token_ids_as_text: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens "token_id:123"
+    ignore_eos: bool = False  # vLLM's: the template's end of turn does not stop the reply
 
     @property
     def tools_key(self) -> str:
@@ -185,6 +187,9 @@ def _common(body: object, kind: Literal["chat", "completion"]) -> dict[str, Any]
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest(f"'stream' must be true or false, got {stream!r}", param="stream")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise BadRequest(f"'ignore_eos' must be true or false, got {ignore_eos!r}", param="ignore_eos")
     seed = body.get("seed")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise BadRequest(f"'seed' must be an integer, got {seed!r}", param="seed")
@@ -201,6 +206,7 @@ def _common(body: object, kind: Literal["chat", "completion"]) -> dict[str, Any]
         "stream": stream,
         "include_usage": bool(options.get("include_usage")),
         "token_ids_as_text": bool(body.get("return_tokens_as_token_ids")),
+        "ignore_eos": ignore_eos,
     }
 
 

@@ -20,8 +20,10 @@ has arrived whenever the engine is free (standalone use, `serve`); a rollout's l
 
 Sampling: the request's fields win over the server's `sampling` (the trainer's settings); the
 server's `max_new_tokens` is the ceiling of `max_tokens`, so an agent cannot make a step cost
-more than the trainer allows. Tool calls are parsed from the reply with the tool layer's parser
-(Hermes `<tool_call>` blocks by default) when the request gave tools.
+more than the trainer allows. `ignore_eos` (vLLM's field, sent through the client's
+`extra_body`) samples past the template's end of turn, up to `max_tokens`. Tool calls are
+parsed from the reply with the tool layer's parser (Hermes `<tool_call>` blocks by default)
+when the request gave tools.
 """
 
 from __future__ import annotations
@@ -289,9 +291,9 @@ class AgentEndpoint:
         ceiling = self.sampling.max_new_tokens
         cap = min(spec.max_tokens or ceiling, ceiling, room)
         options = {**self.sampling.options(), **spec.sampling, "stop": spec.stop}
-        options["stop_token_ids"] = tuple(
-            dict.fromkeys([*self.chat.stop_token_ids, *self.sampling.stop_token_ids])
-        )
+        # ignore_eos (vLLM's field) drops the template's end of turn; the trainer's stop ids stay
+        own = () if spec.ignore_eos else self.chat.stop_token_ids
+        options["stop_token_ids"] = tuple(dict.fromkeys([*own, *self.sampling.stop_token_ids]))
         try:
             check_temperature(float(options["temperature"]), "temperature")
             return [
@@ -318,7 +320,8 @@ class AgentEndpoint:
         if spec.kind == "chat":
             message = protocol.assistant_message(text, parsed)
             history: tuple[Mapping[str, Any], ...] | None = (*spec.messages, message)
-            stopped = bool(g.token_ids) and g.token_ids[-1] in self.chat.stop_token_ids
+            ends = () if spec.ignore_eos else self.chat.stop_token_ids  # a sampled eos did not stop it
+            stopped = bool(g.token_ids) and g.token_ids[-1] in ends
             close = self.chat.close_ids("stop" if stopped else "length")
         else:
             message, history, close = {"content": text}, None, []
