@@ -96,17 +96,17 @@ async def run_agents_async(
         session = endpoint.open(sample.id, seed=mix_seed(plan.group_seed, sample.seed))
 
         def client_for(asynchronous: bool, _sid: str = sample.id) -> Any:
-            cls = openai.AsyncOpenAI if asynchronous else openai.OpenAI
             # the endpoint is plain http on 127.0.0.1: an http client that loads no certificate
             # store (loading it took half the endpoint's time at 64 agents)
-            http_cls = openai.DefaultAsyncHttpxClient if asynchronous else openai.DefaultHttpxClient
-            client = cls(
-                base_url=endpoint.url(_sid),
-                api_key="interlens",
-                max_retries=0,
-                timeout=None,
-                http_client=http_cls(verify=False),
+            options: dict[str, Any] = dict(
+                base_url=endpoint.url(_sid), api_key="interlens", max_retries=0, timeout=None
             )
+            client: Any
+            if asynchronous:
+                http = openai.DefaultAsyncHttpxClient(verify=False)
+                client = openai.AsyncOpenAI(**options, http_client=http)
+            else:
+                client = openai.OpenAI(**options, http_client=openai.DefaultHttpxClient(verify=False))
             clients.append(client)
             return client
 
