@@ -39,6 +39,10 @@ todo growth && python benchmarks/bench_growth.py --json --conversations "${GROWT
 step vote
 todo vote && torchrun --nproc_per_node=2 benchmarks/bench_vote.py --json | last > "$OUT/vote.json"
 
+step agent_endpoint
+todo agent_endpoint && python benchmarks/bench_agent_endpoint.py --json --repeats "${REPEATS:-3}" \
+    | last > "$OUT/agent_endpoint.json"
+
 step soak
 todo soak && torchrun --nproc_per_node=2 benchmarks/soak_rollout.py --json --runs "${SOAK_RUNS:-200}" | last > "$OUT/soak.json"
 

@@ -114,6 +114,15 @@ def table(res: dict[str, dict]) -> list[str]:
             f"({v['vote_ms_median']} median) vs {v['turn_ms_per_round']} ms/round of turns; "
             f"{v['vote_fraction']:.1%} of rollout time | |"
         )
+    if "agent_endpoint" in res:
+        a = res["agent_endpoint"]
+        rows.append(
+            f"| Agents through the OpenAI endpoint vs co_step, {a['agents']} agents x {a['turns']} calls x "
+            f"{a['max_new_tokens']} tok, {a['model']} (median of {a['repeats']}; load at most "
+            f"{a['load_max']}) | {a['endpoint_tokens_per_s']} vs {a['co_step_tokens_per_s']} tok/s: ratio "
+            f"{a['ratio']}; engine calls {a['engine_calls_endpoint']} / {a['engine_calls_co_step']} | "
+            ">= 0.8, equal calls |"
+        )
     if "soak" in res:
         s = res["soak"]
         rows.append(
