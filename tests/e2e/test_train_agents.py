@@ -5,16 +5,7 @@ from __future__ import annotations
 
 import json
 
-from support.launch import ROOT, SMALL, all_records, metrics, torchrun
-
-
-def _check(out, steps: int = 3) -> list[dict]:
-    rows = metrics(out)
-    assert [r["step"] for r in rows] == list(range(steps))
-    evals = [r for r in all_records(out) if "eval/success_rate" in r]
-    assert [r["step"] for r in evals] == [0, steps]  # before training and after it
-    assert all(0.0 <= r["eval/success_rate"] <= 1.0 for r in evals)
-    return rows
+from support.launch import ROOT, SMALL, torchrun, trained
 
 
 def test_an_agents_sdk_agent_trains(tmp_path):
@@ -22,7 +13,7 @@ def test_an_agents_sdk_agent_trains(tmp_path):
     agent = ROOT / "launch" / "agents" / "sdk_guess_agent.py"
     res = torchrun("--agent", f"{agent}:play", "--steps", "3", "--output-dir", str(out), *SMALL)
     assert res.returncode == 0, res.stderr[-3000:]
-    rows = _check(out)
+    rows = trained(out)
     # the SDK re-sends the whole conversation each call: every call after the first extends the
     # session's last one (no branch), and a game takes more than one call
     assert all(r["agent/branches_per_sample"] == 0 for r in rows)
@@ -53,7 +44,7 @@ def test_a_sync_agent_on_dataset_rows(tmp_path):
     args += ["--steps", "3", "--output-dir", str(out)]
     res = torchrun(*args, *SMALL, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
-    rows_logged = _check(out)
+    rows_logged = trained(out)
     assert all(r["agent/calls_per_sample"] == 1 for r in rows_logged)
     run = json.loads((out / "run.json").read_text())
     assert run["task_source"]["agent"] == "solve" and run["task_source"]["rows"]["name"]
@@ -75,5 +66,5 @@ def test_the_readme_agent_trains(tmp_path):
     agent = ROOT / "launch" / "agents" / "guess_agent.py"
     res = torchrun("--agent", f"{agent}:play", "--steps", "2", "--output-dir", str(out), *SMALL)
     assert res.returncode == 0, res.stderr[-3000:]
-    rows = _check(out, steps=2)
+    rows = trained(out, steps=2)
     assert all(r["agent/branches_per_sample"] == 0 for r in rows)

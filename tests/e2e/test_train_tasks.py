@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from support.launch import SMALL, all_records, metrics, torchrun
+from support.launch import SMALL, metrics, torchrun, trained
 
 # `--model tiny`: the families bring SmolLM2 by default (cli/defaults.py); these runs check
 # the plumbing of each library, quickly, on the tiny policy
@@ -17,15 +17,6 @@ TASKS = [
 ]
 
 
-def _check(out, steps: int = 3) -> list[dict]:
-    rows = metrics(out)
-    assert [r["step"] for r in rows] == list(range(steps))
-    evals = [r for r in all_records(out) if "eval/success_rate" in r]
-    assert [r["step"] for r in evals] == [0, steps]  # before training and after it
-    assert all(0.0 <= r["eval/success_rate"] <= 1.0 for r in evals)
-    return rows
-
-
 @pytest.mark.parametrize("args", TASKS, ids=lambda a: a[1])
 def test_task_library_trains(tmp_path, args):
     out = tmp_path / "run"
@@ -33,7 +24,7 @@ def test_task_library_trains(tmp_path, args):
     assert res.returncode == 0, res.stderr[-3000:]
     # the family's own options, where the command line left them: each named with its origin
     assert f"--lr 1e-05 (task {args[1]})" in res.stderr and "--model tiny (command line)" in res.stderr
-    rows = _check(out)
+    rows = trained(out)
     if "textarena" in args[1]:  # both seats train, each its own mean
         assert all("reward_mean/player_0" in r and "reward_mean/player_1" in r for r in rows)
 
@@ -56,7 +47,7 @@ def test_dataset_with_a_reward_function_and_tools(tmp_path):
     args += ["--tools", "interlens_mcore.tools.examples:calculator", "--steps", "3", "--output-dir", str(out)]
     res = torchrun(*args, *SMALL, "--max-new-tokens", "8", cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
-    _check(out)
+    trained(out)
     run = json.loads((out / "run.json").read_text())
     assert run["rewards"] == ["exact"] and run["task_source"]["tools"] == ["calculator"]
 

@@ -95,6 +95,17 @@ def all_records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def trained(out: Path, steps: int = 3) -> list[dict]:
+    """The step records of a finished run of `steps` steps, checked: one per step, and the held-out
+    `eval/success_rate` (a share) before training and after it."""
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == list(range(steps))
+    evals = [r for r in all_records(out) if "eval/success_rate" in r]
+    assert [r["step"] for r in evals] == [0, steps]
+    assert all(0.0 <= r["eval/success_rate"] <= 1.0 for r in evals)
+    return rows
+
+
 def evaluations(out: Path) -> list[dict]:
     """Every current record holding evaluation figures, the end-of-run one (step == steps) included."""
     return [
