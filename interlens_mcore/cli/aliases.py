@@ -21,6 +21,9 @@ ALIASES: dict[str, str] = {
     "save_steps": "save_every",
     "eval_steps": "eval_every",
     "system": "system_prompt",  # ms-swift's --system
+    "tau_pos": "sapo_temperature_pos",  # ms-swift's (and verl's actor.tau_pos) for SAPO
+    "tau_neg": "sapo_temperature_neg",
+    "entropy_coef": "entropy_coeff",  # TRL's spelling of verl's name
     "overlong_filter": "mask_truncated_completions",  # ms-swift's name of TRL's option
     "dynamic_sample": "dynamic_sampling",  # ms-swift's; verl's algorithm.filter_groups.enable
     "max_resample_times": "max_extra_rounds",  # ms-swift's; verl's filter_groups.max_num_gen_batches - 1
