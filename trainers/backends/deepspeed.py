@@ -369,7 +369,10 @@ class DeepSpeedBackend:
         if self.reference is not None and (folder / REFERENCE_DIR).is_dir():
             from transformers import AutoModelForCausalLM
 
-            moved = AutoModelForCausalLM.from_pretrained(folder / REFERENCE_DIR, dtype=torch.float32)
+            # safetensors only: a pickled weights file there is refused, never loaded
+            moved = AutoModelForCausalLM.from_pretrained(
+                folder / REFERENCE_DIR, dtype=torch.float32, use_safetensors=True
+            )
             self.reference.load_state_dict(moved.state_dict())
             self.reference_moved = True
         self.sync_engine_weights()  # a resumed run generates with the weights it resumes from
