@@ -16,6 +16,7 @@ from .backends.registry import BACKENDS
 REPORTERS = ("jsonl", "tensorboard", "wandb")
 MAX_EXTRA_ROUNDS = 3  # --dynamic-sampling's cap, ms-swift's max_resample_times default
 REF_MIXUP_ALPHA, REF_SYNC_STEPS = 0.6, 512  # --sync-ref-model's, TRL's defaults
+KL_TARGET, KL_HORIZON = 0.1, 10000  # --kl-ctrl adaptive's, verl's defaults
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +82,34 @@ class TrainerConfig:
     ref_model_sync_steps: int = field(
         default=REF_SYNC_STEPS, metadata={"help": "--sync-ref-model: steps between the moves"}
     )
+    kl_in_reward: bool = field(
+        default=False,
+        metadata={
+            "help": "the KL to the reference lowers each sample's reward (beta x its KL summed over its "
+            "tokens) before the advantages, instead of a loss term (verl use_kl_in_reward, ms-swift "
+            "kl_in_reward); --beta is the coefficient, --kl-estimator the estimate"
+        },
+    )
+    kl_ctrl: Literal["fixed", "adaptive"] = field(
+        default="fixed",
+        metadata={
+            "help": "--kl-in-reward: the coefficient stays --beta (fixed) or follows --kl-target "
+            "(adaptive: verl's kl_ctrl.type)"
+        },
+    )
+    kl_target: float = field(
+        default=KL_TARGET,
+        metadata={
+            "help": "--kl-ctrl adaptive: the per-token KL the coefficient steers toward (verl target_kl)"
+        },
+    )
+    kl_horizon: int = field(
+        default=KL_HORIZON,
+        metadata={
+            "help": "--kl-ctrl adaptive: samples after which an error e (kl / target - 1, clipped to "
+            "+-0.2) has scaled the coefficient by 1 + e (verl kl_ctrl.horizon)"
+        },
+    )
     save_every: int = field(
         default=10, metadata={"help": "steps between checkpoints (the last is always saved)"}
     )
@@ -145,6 +174,7 @@ class TrainerConfig:
             what = "TrainerConfig.max_extra_rounds caps the rounds of --dynamic-sampling"
             raise ValueError(f"{what}: give it too")
         self._check_reference_sync()
+        self._check_kl_in_reward()
         for name in ("lr", "weight_decay", "grad_clip"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"TrainerConfig.{name} must be a finite number, got {getattr(self, name)}")
@@ -180,6 +210,20 @@ class TrainerConfig:
             raise ValueError(f"TrainerConfig.ref_model_mixup_alpha must be in (0, 1], got {alpha}")
         if steps < 1:
             raise ValueError(f"TrainerConfig.ref_model_sync_steps must be >= 1, got {steps}")
+
+    def _check_kl_in_reward(self) -> None:
+        given = self.kl_ctrl != "fixed" or self.kl_target != KL_TARGET or self.kl_horizon != KL_HORIZON
+        if given and not self.kl_in_reward:
+            raise ValueError(
+                "TrainerConfig.kl_ctrl, TrainerConfig.kl_target and TrainerConfig.kl_horizon shape "
+                "TrainerConfig.kl_in_reward: give it too"
+            )
+        if self.kl_ctrl not in ("fixed", "adaptive"):
+            raise ValueError(f"TrainerConfig.kl_ctrl must be fixed or adaptive, got {self.kl_ctrl!r}")
+        if not 0 < self.kl_target < float("inf"):  # nan fails too
+            raise ValueError(f"TrainerConfig.kl_target must be a finite number > 0, got {self.kl_target}")
+        if self.kl_horizon < 1:
+            raise ValueError(f"TrainerConfig.kl_horizon must be >= 1, got {self.kl_horizon}")
 
     def _check_schedule(self) -> None:
         if self.gradient_accumulation_steps < 0:

@@ -6,6 +6,7 @@ One step, on every rank::
     rollout  = rollouter.run(rows, step)                 # collective multi-turn rollout
     rewards  = reward_fns(trajectories, rows)            # weighted, each logged apart
     adv      = rollout_estimate(trajectories)            # per (prompt, seat) group
+    kl       = --kl-in-reward: rewards - beta * KL, adv again # collective forwards (kl_reward.py)
     adv      = whole_batch_advantages(rollout)           # batch statistics over the world, if any
     batches  = micro_batches(rollout)                    # packed THD or padded
     for each update: logprobs -> loss -> backward; backend.optimizer_step()
@@ -45,7 +46,7 @@ from interlens_mcore.rollout.rollouter import (
 )
 from interlens_mcore.tasks import TaskSource
 
-from . import dynamic, preemption, rundir, state
+from . import dynamic, kl_reward, preemption, rundir, state
 from .backends.base import Backend
 from .config import TrainerConfig
 from .report import record
@@ -60,6 +61,7 @@ _EXTRA_ROWS = 0x78  # folded with a dynamic-sampling round's number into its row
 
 
 T = TypeVar("T")
+
 
 def describe_run(
     config: TrainerConfig,
@@ -133,6 +135,11 @@ class GRPOTrainer:
                 raise ValueError(
                     f"TrainerConfig.sync_ref_model: the backend {type(backend).__name__} has no mix_reference"
                 )
+        self.kl_control = self.reward_kl_controller()
+        # with --kl-in-reward the KL lowers the rewards and the loss has no KL term
+        self.update_loss_config = (
+            dataclasses.replace(self.loss_config, beta=0.0) if config.kl_in_reward else self.loss_config
+        )
         self.rollouter = Rollouter(
             engine=backend.engine,
             tokenizer=tokenizer,
@@ -165,6 +172,22 @@ class GRPOTrainer:
         # check waits as long as any collective may (a rank that failed early waits there)
         timeout = world_check_timeout_s if world_check_timeout_s is not None else config.collective_timeout_s
         self.world_check = distributed.world_check_group(timeout_s=timeout)
+
+    def reward_kl_controller(self) -> kl_reward.KLController | None:
+        cfg, beta = self.config, self.loss_config.beta
+        if not cfg.kl_in_reward:
+            return None
+        if not beta > 0:
+            raise ValueError(
+                "TrainerConfig.kl_in_reward: --beta is the KL's coefficient in the reward: give --beta > 0"
+            )
+        aggregation = self.rollout_config.multi_objective_aggregation
+        if aggregation != "sum_then_normalize":
+            raise ValueError(
+                f"TrainerConfig.kl_in_reward with multi_objective_aggregation {aggregation!r}: the KL "
+                "lowers the total reward, which that aggregation does not read (use sum_then_normalize)"
+            )
+        return kl_reward.KLController(beta, cfg.kl_ctrl, cfg.kl_target, cfg.kl_horizon)
 
     def check_micro_batches(self) -> None:
         expected = self.backend.micro_batches
@@ -247,10 +270,55 @@ class GRPOTrainer:
         # before the update: a step whose samples mostly failed trains nothing (every rank raises)
         failures.check(self.config.max_failed_fraction)
         with distributed.stage("advantages"):  # an estimator's batch step: over the world's samples
-            whole_batch_advantages(rollout, lambda x: distributed.all_reduce(x, "sum"))
+            penalty = self.advantages(rollout)
         with distributed.stage("update"):
             rec = self.update_and_record(rollout, components, t0)
-        return {**rec, **failures.figures(), **refilled}, rollout
+        return {**rec, **failures.figures(), **refilled, **penalty}, rollout
+
+    def advantages(self, rollout: Rollout) -> dict[str, float]:
+        """The estimator's batch step over the world, in place (collective); with --kl-in-reward
+        first the rewards lowered by their KL and the advantages estimated again from them
+        (trainers/kl_reward.py). Returns the KL figures."""
+        reduce_sum = lambda x: distributed.all_reduce(x, "sum")  # noqa: E731
+        if self.kl_control is None:
+            whole_batch_advantages(rollout, reduce_sum)
+            return {}
+        assert rollout.keep is not None, "the rollout is scored"
+        kl = self.rollout_kl(rollout)
+        coef = self.kl_control.value
+        with kl_reward.penalized(rollout.trajectories, coef * kl.total):
+            est = rollout_estimate(rollout.trajectories, self.rollout_config)
+            # a sample the raw rewards left out stays out (verl filters groups on the scores too)
+            keep = rollout.keep & est.keep
+            rollout.advantages = torch.where(keep, est.advantages, torch.zeros_like(est.advantages))
+            rollout.keep, rollout.batch_step = keep, est.batch
+            whole_batch_advantages(rollout, reduce_sum)
+        mine = torch.tensor(kl_reward.mean_token_kl(kl), dtype=torch.float64)
+        total, count = distributed.all_reduce(mine, "sum").tolist()
+        mean = total / count if count else 0.0
+        self.kl_control.update(mean, int(count))
+        return {"kl_in_reward/kl": mean, "kl_in_reward/coef": coef}
+
+    def rollout_kl(self, rollout: Rollout) -> kl_reward.SampleKL:
+        """This rank's samples' KL to the reference; under TP computed on the TP group's union
+        (its ranks forward the same rows) and this rank's part taken."""
+        lcfg = self.loss_config
+        shared = self.share_over_tp(rollout)
+        kl = kl_reward.sample_kl(
+            self.backend,
+            shared.trajectories,
+            micro_batch_size=self.rollout_config.micro_batch_size,
+            pad_id=pad_id(self.tokenizer),
+            estimator=lcfg.kl_estimator,
+            clamp=lcfg.log_ratio_clamp,
+            output_clamp=lcfg.kl_clamp,
+        )
+        if self.groups.tp_size == 1:
+            return kl
+        sizes = distributed.all_gather_object(len(rollout.trajectories), group=self.groups.tp)
+        start = sum(sizes[: torch.distributed.get_rank(self.groups.tp)])
+        part = slice(start, start + len(rollout.trajectories))
+        return kl_reward.SampleKL(total=kl.total[part], tokens=kl.tokens[part])
 
     def refilled(
         self, rollout: Rollout, components: dict[str, list[float | None]]
@@ -296,7 +364,7 @@ class GRPOTrainer:
             self.backend,
             batches,
             shared,
-            loss_config=self.loss_config,
+            loss_config=self.update_loss_config,
             updates=self.config.updates_per_rollout,
             loss_fn=self.loss_fn,
             dp_group=self.groups.dp,

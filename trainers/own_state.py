@@ -1,9 +1,10 @@
-"""The trainer's own part of a checkpoint: its step, skipped steps and random generators.
+"""The trainer's own part of a checkpoint: its step, skipped steps, random generators and, with
+--kl-in-reward, the reward's KL coefficient.
 
 Each rank writes `trainer-rankNNNNN.json` (step, skipped steps, Python's and NumPy's generator
-states as lists of integers) and `trainer-rankNNNNN.safetensors` (torch's generator state, a
-uint8 tensor). Neither format can carry code, unlike the pickle `torch.save` writes: a checkpoint
-is shared between people, and resuming from one must not run anything it holds.
+states as lists of integers, the KL coefficient) and `trainer-rankNNNNN.safetensors` (torch's
+generator state, a uint8 tensor). Neither format can carry code, unlike the pickle `torch.save`
+writes: a checkpoint is shared between people, and resuming from one must not run anything it holds.
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ class TrainerState:
     python_rng: list  # random.getstate() with its tuples as lists
     numpy_rng: list  # np.random.get_state(): [name, 624 keys, pos, has_gauss, cached_gaussian]
     torch_rng: torch.Tensor  # [5056] uint8, torch.get_rng_state()
+    kl_coef: float | None = None  # --kl-in-reward: the coefficient the next step uses
 
     @classmethod
-    def capture(cls, *, step: int, skipped_steps: int) -> TrainerState:
+    def capture(cls, *, step: int, skipped_steps: int, kl_coef: float | None = None) -> TrainerState:
         version, internal, gauss = random.getstate()
         name, keys, pos, has_gauss, cached = np.random.get_state()
         return cls(
@@ -47,6 +49,7 @@ class TrainerState:
             python_rng=[version, list(internal), gauss],
             numpy_rng=[name, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)],
             torch_rng=torch.get_rng_state(),
+            kl_coef=kl_coef,
         )
 
     def restore(self) -> None:
@@ -66,6 +69,7 @@ class TrainerState:
             "skipped_steps": self.skipped_steps,
             "python_rng": self.python_rng,
             "numpy_rng": self.numpy_rng,
+            **({} if self.kl_coef is None else {"kl_coef": self.kl_coef}),
         }
         (folder / json_name(rank)).write_text(json.dumps(data))
         save_file({"torch_rng": self.torch_rng.contiguous()}, str(folder / tensors_name(rank)))
@@ -97,6 +101,7 @@ def read(folder: Path, rank: int) -> TrainerState:
         python_rng=data["python_rng"],
         numpy_rng=data["numpy_rng"],
         torch_rng=torch_rng,
+        kl_coef=data.get("kl_coef"),
     )
 
 
@@ -118,4 +123,7 @@ def _malformed(data: dict, torch_rng: torch.Tensor) -> str | None:
         return "numpy_rng is not the state of NumPy's MT19937 generator"
     if torch_rng.dtype != torch.uint8 or torch_rng.dim() != 1:
         return "torch_rng is not a uint8 vector"
+    coef = data.get("kl_coef")
+    if coef is not None and not (type(coef) is float and 0 < coef < float("inf")):
+        return f"kl_coef must be a finite number > 0, got {coef!r}"
     return None

@@ -19,6 +19,7 @@ from interlens_mcore.distributed.safe_load import UnsafeCheckpoint, check_checkp
 from . import checkpoint, own_state, rundir
 from .backends.base import Backend
 from .config import TrainerConfig
+from .kl_reward import KLController
 from .report.reporter import METRICS_FILE, read_jsonl
 
 
@@ -32,6 +33,7 @@ class Persistent(Protocol):
     run_info: dict[str, object]
     step: int
     skipped_steps: int
+    kl_control: KLController | None
     resumed: bool
     claim: FolderClaim | None
 
@@ -85,7 +87,10 @@ def release_output_dir(trainer: Persistent) -> None:
 def save_checkpoint(trainer: Persistent) -> Path:
     def write(folder: Path) -> None:
         trainer.backend.save(folder)
-        own = own_state.TrainerState.capture(step=trainer.step, skipped_steps=trainer.skipped_steps)
+        coef = trainer.kl_control.value if trainer.kl_control is not None else None
+        own = own_state.TrainerState.capture(
+            step=trainer.step, skipped_steps=trainer.skipped_steps, kl_coef=coef
+        )
         own.write(folder, trainer.groups.rank)
 
     final = checkpoint.save(
@@ -152,6 +157,8 @@ def _load(trainer: Persistent, folder: Path) -> str | None:
         return _describe(exc)
     own.restore()
     trainer.step, trainer.skipped_steps = own.step, own.skipped_steps
+    if trainer.kl_control is not None and own.kl_coef is not None:  # an adapted coefficient goes on
+        trainer.kl_control.value = own.kl_coef
     return None
 
 

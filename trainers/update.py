@@ -8,7 +8,7 @@ zero-weighted placeholder batch so the gradient all-reduce stays aligned.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -68,7 +68,7 @@ def update(
 ) -> UpdateResult:
     """`updates` optimizer steps on `batches` (None: this rank has no rows for that micro-batch)."""
     cfg = loss_config
-    placeholder = _placeholder(rollout, backend)
+    placeholder = placeholder_batch(rollout.trajectories, backend)
     bonus = cfg.entropy_coeff > 0
     if bonus:  # the backends then give `token_entropy` with gradient on a policy forward
         backend.entropy_grad = True  # type: ignore[attr-defined]
@@ -218,9 +218,10 @@ def _quantile(values: torch.Tensor, q: float) -> torch.Tensor:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def _placeholder(rollout: Rollout, backend: Trainable) -> TrainingBatch:
-    # stands in for an empty micro-batch so collectives stay aligned; its loss is scaled by 0
-    first = next((t for t in rollout.trajectories if t.num_trained_tokens > 0), None)
+def placeholder_batch(trajectories: Sequence[Trajectory], backend: Trainable) -> TrainingBatch:
+    """One sample standing in for an empty micro-batch, so collectives stay aligned (its loss is
+    scaled by 0, its values go unused)."""
+    first = next((t for t in trajectories if t.num_trained_tokens > 0), None)
     first = first or Trajectory(token_ids=[0, 0], loss_mask=[0, 1], rollout_logprobs=None)
     return build_batch([first], [0.0], layout=backend.layout, pad_to_multiple=backend.pad_to_multiple)
 

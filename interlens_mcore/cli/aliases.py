@@ -28,6 +28,9 @@ ALIASES: dict[str, str] = {
     "dynamic_sample": "dynamic_sampling",  # ms-swift's; verl's algorithm.filter_groups.enable
     "max_resample_times": "max_extra_rounds",  # ms-swift's; verl's filter_groups.max_num_gen_batches - 1
     "adv_estimator": "advantage_estimator",  # verl's algorithm.adv_estimator (ms-swift's is ours)
+    "use_kl_in_reward": "kl_in_reward",  # verl's algorithm.use_kl_in_reward (ms-swift's is ours)
+    "kl_coef": "beta",  # verl's algorithm.kl_ctrl.kl_coef: one coefficient here, in the loss or the reward
+    "target_kl": "kl_target",  # verl's algorithm.kl_ctrl.target_kl
 }
 
 REFUSED: dict[str, str] = {

@@ -297,6 +297,16 @@ def check(args: Args) -> tuple[Args, TaskSource]:
             f"--sync-ref-model moves the KL reference, and --beta {args.loss.beta:g} keeps none: "
             "give --beta > 0"
         )
+    if t.kl_in_reward and not args.loss.beta > 0:
+        raise UsageError(
+            f"--kl-in-reward lowers each reward by beta x its KL, and --beta {args.loss.beta:g} lowers "
+            "none: give --beta > 0"
+        )
+    if t.kl_in_reward and r.multi_objective_aggregation != "sum_then_normalize":
+        raise UsageError(
+            f"--kl-in-reward lowers the total reward, which --multi-objective-aggregation "
+            f"{r.multi_objective_aggregation} does not read: use sum_then_normalize"
+        )
     if b.vllm_sleep and b.engine != "vllm":
         raise UsageError("--vllm-sleep puts vLLM to sleep during training: it needs --engine vllm")
     if b.engine == "vllm":

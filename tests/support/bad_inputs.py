@@ -546,6 +546,38 @@ SECTIONS: list[tuple[str, list[Refusal]]] = [
         ],
     ),
     (
+        "The KL in the reward (--kl-in-reward)",
+        [
+            Refusal(
+                "--kl-in-reward with no coefficient",
+                ("--kl-in-reward", "--beta", "0"),
+                "--kl-in-reward lowers each reward by beta x its KL, and --beta 0 lowers none: "
+                "give --beta > 0",
+            ),
+            Refusal(
+                "an aggregation that does not read the total",
+                ("--kl-in-reward", "--multi-objective-aggregation", "normalize_then_sum"),
+                "--kl-in-reward lowers the total reward, which --multi-objective-aggregation "
+                "normalize_then_sum does not read: use sum_then_normalize",
+            ),
+            Refusal(
+                "its settings without it",
+                ("--kl-ctrl", "adaptive"),
+                "--kl-ctrl, --kl-target and --kl-horizon shape --kl-in-reward: give it too",
+            ),
+            Refusal(
+                "a target that is not a positive number",
+                ("--kl-in-reward", "--kl-ctrl", "adaptive", "--kl-target", "0"),
+                "--kl-target must be a finite number > 0, got 0.0",
+            ),
+            Refusal(
+                "a horizon under one sample",
+                ("--kl-in-reward", "--kl-horizon", "0"),
+                "--kl-horizon must be >= 1, got 0",
+            ),
+        ],
+    ),
+    (
         "Advantage estimators",
         [
             Refusal(

@@ -142,7 +142,8 @@ class Reporter:
         if self.wandb is not None:
             self.wandb.log(numbers, step=step)
         if "reward_mean" in record and self.bar is not None:
-            shown = {"reward": ("reward_mean", 3), "kl": ("kl", 4), "is_w": ("is/weight_mean", 3)}
+            kl = "kl_in_reward/kl" if "kl_in_reward/kl" in record else "kl"  # where the KL is
+            shown = {"reward": ("reward_mean", 3), "kl": (kl, 4), "is_w": ("is/weight_mean", 3)}
             shown.update({"eval": ("eval/success_rate", 2)} if "eval/success_rate" in record else {})
             self.bar.set_postfix({name: fmt(record.get(k), d) for name, (k, d) in shown.items()})
             self.bar.update(1)

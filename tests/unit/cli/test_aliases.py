@@ -31,13 +31,15 @@ def test_trl_names_set_our_options():
 def test_the_recipe_names_of_ms_swift_verl_and_trl_set_our_options():
     args = parse(
         ["--dynamic_sample", "--max_resample_times", "5", "--overlong_filter", "--tau_pos", "2.0",
-         "--tau_neg", "0.5", "--entropy_coef", "0.01", "--adv_estimator", "rloo"],
+         "--tau_neg", "0.5", "--entropy_coef", "0.01", "--adv_estimator", "rloo", "--use_kl_in_reward",
+         "--kl_coef", "0.05", "--kl-ctrl", "adaptive", "--target_kl", "0.2"],
         "test",
     )  # fmt: skip
     t, r, loss = args.trainer, args.rollout, args.loss
     assert (t.dynamic_sampling, t.max_extra_rounds, r.mask_truncated_completions) == (True, 5, True)
     assert (loss.sapo_temperature_pos, loss.sapo_temperature_neg, loss.entropy_coeff) == (2.0, 0.5, 0.01)
     assert r.advantage_estimator == "rloo"
+    assert (t.kl_in_reward, loss.beta, t.kl_ctrl, t.kl_target) == (True, 0.05, "adaptive", 0.2)
 
 
 def test_names_we_share_with_trl_are_our_options():
