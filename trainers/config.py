@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 from .backends.registry import BACKENDS
 
@@ -17,6 +17,8 @@ REPORTERS = ("jsonl", "tensorboard", "wandb")
 MAX_EXTRA_ROUNDS = 3  # --dynamic-sampling's cap, ms-swift's max_resample_times default
 REF_MIXUP_ALPHA, REF_SYNC_STEPS = 0.6, 512  # --sync-ref-model's, TRL's defaults
 KL_TARGET, KL_HORIZON = 0.1, 10000  # --kl-ctrl adaptive's, verl's defaults
+KLControl = Literal["fixed", "adaptive"]
+KL_CONTROLS: tuple[str, ...] = get_args(KLControl)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,7 +92,7 @@ class TrainerConfig:
             "kl_in_reward); --beta is the coefficient, --kl-estimator the estimate"
         },
     )
-    kl_ctrl: Literal["fixed", "adaptive"] = field(
+    kl_ctrl: KLControl = field(
         default="fixed",
         metadata={
             "help": "--kl-in-reward: the coefficient stays --beta (fixed) or follows --kl-target "
@@ -218,7 +220,7 @@ class TrainerConfig:
                 "TrainerConfig.kl_ctrl, TrainerConfig.kl_target and TrainerConfig.kl_horizon shape "
                 "TrainerConfig.kl_in_reward: give it too"
             )
-        if self.kl_ctrl not in ("fixed", "adaptive"):
+        if self.kl_ctrl not in KL_CONTROLS:
             raise ValueError(f"TrainerConfig.kl_ctrl must be fixed or adaptive, got {self.kl_ctrl!r}")
         if not 0 < self.kl_target < float("inf"):  # nan fails too
             raise ValueError(f"TrainerConfig.kl_target must be a finite number > 0, got {self.kl_target}")

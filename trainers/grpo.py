@@ -283,16 +283,9 @@ class GRPOTrainer:
         if self.kl_control is None:
             whole_batch_advantages(rollout, reduce_sum)
             return {}
-        assert rollout.keep is not None, "the rollout is scored"
         kl = self.rollout_kl(rollout)
         coef = self.kl_control.value
-        with kl_reward.penalized(rollout.trajectories, coef * kl.total):
-            est = rollout_estimate(rollout.trajectories, self.rollout_config)
-            # a sample the raw rewards left out stays out (verl filters groups on the scores too)
-            keep = rollout.keep & est.keep
-            rollout.advantages = torch.where(keep, est.advantages, torch.zeros_like(est.advantages))
-            rollout.keep, rollout.batch_step = keep, est.batch
-            whole_batch_advantages(rollout, reduce_sum)
+        kl_reward.penalized_advantages(rollout, coef * kl.total, self.rollout_config, reduce_sum)
         mine = torch.tensor(kl_reward.mean_token_kl(kl), dtype=torch.float64)
         total, count = distributed.all_reduce(mine, "sum").tolist()
         mean = total / count if count else 0.0
@@ -313,12 +306,8 @@ class GRPOTrainer:
             clamp=lcfg.log_ratio_clamp,
             output_clamp=lcfg.kl_clamp,
         )
-        if self.groups.tp_size == 1:
-            return kl
-        sizes = distributed.all_gather_object(len(rollout.trajectories), group=self.groups.tp)
-        start = sum(sizes[: torch.distributed.get_rank(self.groups.tp)])
-        part = slice(start, start + len(rollout.trajectories))
-        return kl_reward.SampleKL(total=kl.total[part], tokens=kl.tokens[part])
+        mine = len(rollout.trajectories)
+        return kl if self.groups.tp_size == 1 else kl_reward.own_part(kl, mine, self.groups.tp)
 
     def refilled(
         self, rollout: Rollout, components: dict[str, list[float | None]]

@@ -21,20 +21,24 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING
 
 import torch
 
+from interlens_mcore import distributed
 from interlens_mcore.grpo.batch import TrainingBatch, build_batch
 from interlens_mcore.grpo.loss.kl import kl_penalty
+from interlens_mcore.rollout.rollouter import Rollout, RolloutConfig, rollout_estimate, whole_batch_advantages
 from interlens_mcore.types import Trajectory
 
+from .config import KL_HORIZON, KL_TARGET, KLControl
 from .update import Trainable, placeholder_batch
 
-KLControl = Literal["fixed", "adaptive"]
-KL_CONTROLS = ("fixed", "adaptive")
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 _ERROR_CLIP = 0.2  # the controller's bound on kl / target - 1 per update
 
 
@@ -44,8 +48,8 @@ class KLController:
 
     value: float
     kind: KLControl = "fixed"
-    target: float = 0.1
-    horizon: int = 10000
+    target: float = KL_TARGET
+    horizon: int = KL_HORIZON
 
     def update(self, kl: float, samples: int) -> None:
         """After a step whose samples had mean per-token KL `kl`, `samples` of them in the world."""
@@ -110,6 +114,14 @@ def sample_kl(
     return SampleKL(total=total, tokens=tokens)
 
 
+def own_part(kl: SampleKL, mine: int, group: ProcessGroup | None) -> SampleKL:
+    """This rank's `mine` samples of `kl`, computed on the union of `group`'s samples in rank
+    order (collective over `group`)."""
+    sizes = distributed.all_gather_object(mine, group=group)
+    start = sum(sizes[: torch.distributed.get_rank(group)])
+    return SampleKL(total=kl.total[start : start + mine], tokens=kl.tokens[start : start + mine])
+
+
 def per_sample_kl(
     batch: TrainingBatch,
     policy: torch.Tensor,
@@ -156,3 +168,21 @@ def penalized(trajectories: Sequence[Trajectory], penalties: torch.Tensor) -> It
     finally:
         for t, r in zip(trajectories, before, strict=True):
             t.reward = r
+
+
+def penalized_advantages(
+    rollout: Rollout,
+    penalties: torch.Tensor,
+    config: RolloutConfig,
+    reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+) -> None:
+    """The rollout's advantages estimated again from its rewards lowered by `penalties` [N], then
+    the whole-batch step (collective, as `whole_batch_advantages`); a sample the raw rewards left
+    out stays out (verl filters groups on the scores too)."""
+    assert rollout.keep is not None, "the rollout is scored"
+    with penalized(rollout.trajectories, penalties):
+        est = rollout_estimate(rollout.trajectories, config)
+        keep = rollout.keep & est.keep
+        rollout.advantages = torch.where(keep, est.advantages, torch.zeros_like(est.advantages))
+        rollout.keep, rollout.batch_step = keep, est.batch
+        whole_batch_advantages(rollout, reduce_sum)
