@@ -1,27 +1,32 @@
-"""Turns: key/value reuse across turns (PrefixCachingEngine) versus re-encoding the history.
+"""Turns: key/value reuse across turns versus re-encoding the history, per engine family.
 
     python benchmarks/bench_turns.py --turns 2,4,8,16 --json
+    python benchmarks/bench_turns.py --engine megatron --json
 
-Both engines generate the same tokens (checked on every run); the re-encoding engine (HFEngine,
-which is what a driver that re-templates the history gets) prefills the whole conversation
-every turn, the reusing one only what was appended since its last turn. Medians of --repeats.
-Prints one JSON object as the last line.
+`--engine hf`: PrefixCachingEngine against HFEngine (what a driver that re-templates the history
+gets). `--engine megatron`: MegatronEngine keeping prefixes (its default) against the same engine
+with `prefix_bytes=0`. Both engines of a pair generate the same tokens (checked on every run); the
+re-encoding one prefills the whole conversation every turn, the reusing one only what was
+appended since its last turn. Repetitions alternate the two; medians of --repeats. Prints one JSON
+object as the last line, with the machine's load before and after.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 from common import emit, make_convs, median, stop_free_policy, timed
 
 from interlens_mcore import HFEngine, co_step
-from interlens_mcore.assets import load_tiny
+from interlens_mcore.assets import ensure_tiny_model, load_tiny
+from interlens_mcore.assets.smollm2 import ensure_smollm2
 from interlens_mcore.engines.prefix_cache import PrefixCachingEngine
 
 
 def run_once(engine, tok, n: int, turns: int, max_new: int) -> tuple[float, list]:
-    if isinstance(engine, PrefixCachingEngine):
+    if hasattr(engine, "clear"):
         engine.clear()  # conversation ids repeat across runs: start cold every time
         engine.reuse.reset()
     convs = make_convs(stop_free_policy(engine, tok, max_new), n, turns)
@@ -51,6 +56,24 @@ def measure(engines: dict, tok, n: int, turns: int, max_new: int, repeats: int) 
     }
 
 
+def megatron_engines(path, tok) -> dict:
+    """MegatronEngine on the tiny model in a one-rank world: keeping prefixes and not."""
+    from megatron.core import parallel_state
+
+    from interlens_mcore import distributed
+    from interlens_mcore.megatron import MegatronEngine, build_model, load_hf_weights, load_layout
+
+    distributed.init_distributed()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    layout = load_layout(path)
+    model = build_model(layout, init_weights=False)
+    load_hf_weights(model, layout, path)
+    return {
+        "reencode": MegatronEngine(model, layout, tokenizer=tok, prefix_bytes=0),
+        "reuse": MegatronEngine(model, layout, tokenizer=tok),
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--turns", default="2,4,8,16", help="comma-separated policy turns per conversation")
@@ -58,17 +81,30 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--engine", choices=("hf", "megatron"), default="hf", help="which engine family")
+    ap.add_argument("--model", default="tiny", help="tiny, smollm2, or a local Hugging Face folder")
     ap.add_argument("--json", action="store_true", help="print only the JSON line")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    model, tok = load_tiny()
-    engines = {"reencode": HFEngine(model, tok), "reuse": PrefixCachingEngine(model, tok)}
+    if args.model == "tiny":
+        path = ensure_tiny_model()
+    elif args.model == "smollm2":
+        path = ensure_smollm2()
+    else:
+        path = Path(args.model)
+    model, tok = load_tiny(path)
+    if args.engine == "hf":
+        engines = {"reencode": HFEngine(model, tok), "reuse": PrefixCachingEngine(model, tok)}
+    else:
+        engines = megatron_engines(path, tok)
     run_once(engines["reuse"], tok, 4, 1, 4)  # warm-up
     rows = [
         measure(engines, tok, args.conversations, int(t), args.max_new_tokens, args.repeats)
         for t in args.turns.split(",")
     ]
     out = {
+        "engine": args.engine,
+        "model": args.model,
         "conversations": args.conversations,
         "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -10,6 +11,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+# the machine when the benchmark started: `emit` sets the state at the end beside it
+_START = (os.getloadavg()[0], time.perf_counter(), os.times())
 
 from interlens_mcore import ChatFormat, Conversation, Environment, MaxTurns, Message, Policy, SamplingParams  # noqa: E402
 from interlens_mcore.rollout.conversation import Participant  # noqa: E402
@@ -66,8 +70,31 @@ def median(xs: list[float]) -> float:
     return round(statistics.median(xs), 4)
 
 
+def machine_load() -> dict:
+    """How loaded the machine was while the benchmark ran, for its JSON line.
+
+    `load_before` / `load_after`: the 1-minute load average at start and now; `cpu_cores_used`:
+    this process's CPU seconds (its threads and waited-for children) per wall second; `noisy`:
+    the load exceeded the core count at either end, so the figures were shared with other work.
+    """
+    load0, t0, times0 = _START
+    load1, times1 = os.getloadavg()[0], os.times()
+    wall = max(time.perf_counter() - t0, 1e-9)
+    cpu = sum(times1[:4]) - sum(times0[:4])  # user, system, children's user, children's system
+    cores = os.cpu_count() or 1
+    return {
+        "load_before": round(load0, 2),
+        "load_after": round(load1, 2),
+        "cores": cores,
+        "cpu_cores_used": round(cpu / wall, 2),
+        "noisy": max(load0, load1) > cores,
+    }
+
+
 def emit(out: dict, quiet: bool) -> dict:
-    """Print the result: a readable table unless quiet, then one JSON object as the last line."""
+    """Print the result: a readable table unless quiet, then one JSON object as the last line,
+    with `machine` (see `machine_load`) added."""
+    out = {**out, "machine": machine_load()}
     if not quiet:
         for k, v in out.items():
             print(f"{k:>28}: {v}")

@@ -22,6 +22,7 @@ optimizer step.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -121,7 +122,7 @@ class PrefixCachingEngine(HFEngine):
         reuse = []
         for tag, row in zip(tags, rows):
             entry = self._entries.get(tag) if tag else None
-            reuse.append(_common_prefix(entry.ids, row, len(row) - 1) if entry else 0)
+            reuse.append(common_prefix(entry.ids, row, len(row) - 1) if entry else 0)
         start = width - max(n - k for n, k in zip(lens, reuse))  # [start, width) is recomputed
         self.reuse.reused_tokens += sum(max(0, n - (width - start)) for n in lens)
         self.reuse.prefill_tokens += b * (width - start)
@@ -172,8 +173,9 @@ def _layer_kv(layer: object, index: int) -> tuple[torch.Tensor, torch.Tensor]:
     return layer.keys, layer.values
 
 
-def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    n = min(len(a), len(b), limit)
+def common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    """Length of the longest common prefix of `a` and `b`, at most `limit` (and at least 0)."""
+    n = max(0, min(len(a), len(b), limit))
     for i in range(n):
         if a[i] != b[i]:
             return i

@@ -15,8 +15,15 @@ log-sum-exp over the tokens the filters kept. Stop strings need `tokenizer`.
 
 With the CPU layer spec (`SDPACoreAttention` applying RoPE itself) the engine keeps a
 key/value cache (kv_cache.py): one packed prefill of the prompts, then one token per active
-row per step. With megatron's own attention and rotary embedding (the GPU specs) there is no
-cache to attach, and each step recomputes the packed batch of active rows from scratch: O(sum
+row per step. Across calls it keeps each tagged row's keys/values (`PrefixStore`: under
+`co_step` the tag is the conversation id), so a conversation's next turn prefills only what was
+appended since its last one: the other speakers' messages and the new generation prompt. The
+store is cleared whenever the weights change (the parameters' in-place version counters or
+storages moved, or `clear()`), and checked by content, so a reused key is always the key the
+full prefill would compute, up to float rounding of a shorter matmul.
+
+With megatron's own attention and rotary embedding (the GPU specs) there is no cache to
+attach (nor kept prefixes), and each step recomputes the packed batch of active rows from scratch: O(sum
 of lengths) forward work per token instead of O(rows), acceptable for short turns; megatron's
 CUDA inference contexts are the way to go further there.
 """
@@ -32,8 +39,9 @@ import torch
 
 from .. import distributed
 from ..engines.base import EngineStats, Generation, GenerationRequest, check_context
+from ..engines.prefix_cache import ReuseStats
 from ..engines.sampler import BatchSampling, Filters, VocabShard, sample
-from .kv_cache import KVCache, attached, supports_kv_cache
+from .kv_cache import KVCache, PrefixStore, attached, supports_kv_cache
 from .model import ModelLayout, forward_logits, vocab_start
 
 if TYPE_CHECKING:
@@ -104,12 +112,25 @@ class MegatronEngine:
     # decodes sampled ids for stop strings (requests with `stop` need one)
     tokenizer: PreTrainedTokenizerBase | None = None
     compute_dtype: torch.dtype | None = None  # autocast dtype of the forward (None: the weights')
+    # keys/values kept across calls for a tag's next turn (with the KV cache); 0 turns it off
+    prefix_bytes: int = 2 << 30
+    reuse: ReuseStats = field(default_factory=ReuseStats)
 
     def __post_init__(self) -> None:
         if not self.max_context:
             self.max_context = self.layout.max_position
         if self.tp_group is None:
             self.tp_group = distributed.megatron_tp_group()
+        self.prefixes = PrefixStore(self.prefix_bytes)
+        self._weights: tuple[tuple[int, int], ...] = ()
+
+    def clear(self) -> None:
+        """Forget the keys/values kept across calls (they belong to the weights that made them)."""
+        self.prefixes.clear()
+
+    def _weights_fingerprint(self) -> tuple[tuple[int, int], ...]:
+        # an in-place update (optimizer step, load, lerp) bumps a parameter's version counter
+        return tuple((p._version, p.data_ptr()) for p in self.model.parameters())
 
     @torch.inference_mode()
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
@@ -127,6 +148,7 @@ class MegatronEngine:
             if self.use_kv_cache and supports_kv_cache(self.model):
                 longest = max(len(r.prompt_ids) + c for r, c in zip(union, caps, strict=True))
                 with attached(self.model, KVCache(len(union), longest)) as cache:
+                    self._seed(union, caps, cache)
                     outs = self._generate(union, caps, cache)
             else:
                 outs = self._generate(union, caps, None)
@@ -135,6 +157,30 @@ class MegatronEngine:
         outs = outs[offset : offset + len(mine)]
         self.stats.generated_tokens += sum(len(g.token_ids) for g in outs)
         return outs
+
+    def _seed(self, requests: list[GenerationRequest], caps: list[int], cache: KVCache) -> None:
+        """Put each tagged row's kept prefix in its cache row (nothing when the weights moved)."""
+        weights = self._weights_fingerprint()
+        if weights != self._weights:
+            self.prefixes.clear()
+            self._weights = weights
+        for i, (r, cap) in enumerate(zip(requests, caps, strict=True)):
+            if cap <= 0:
+                continue
+            kept, n = self.prefixes.lookup(r.tag, r.prompt_ids) if self.prefix_bytes > 0 else (None, 0)
+            if kept is not None:
+                cache.seed(i, kept.kv, n)
+            self.reuse.reused_tokens += n
+            self.reuse.prefill_tokens += len(r.prompt_ids) - n
+
+    def _keep(self, requests: list[GenerationRequest], seqs: list[list[int]], cache: KVCache) -> None:
+        """Keep every tagged row's fed tokens (prompt and all but the last sampled id)."""
+        if self.prefix_bytes <= 0:
+            return
+        for i, r in enumerate(requests):
+            n = int(cache.lengths[i])
+            if r.tag and n:
+                self.prefixes.keep(r.tag, seqs[i][:n], cache.export(i))
 
     def _forward_last(
         self, seqs: list[list[int]], cache: KVCache | None, rows: list[int] | None = None
@@ -196,8 +242,8 @@ class MegatronEngine:
         while active:
             if cache is None:  # recompute every active row from its first token
                 logits = self._forward_last([seqs[i] for i in active], None)
-            else:  # the prompts once, then each row's newest token
-                fed = [seqs[i][-1:] if step else seqs[i] for i in active]
+            else:  # the prompts once (after any kept prefix), then each row's newest token
+                fed = [seqs[i][-1:] if step else seqs[i][int(cache.lengths[i]) :] for i in active]
                 logits = self._forward_last(fed, cache, active)
             if sampler is None:
                 sampler = BatchSampling(
@@ -219,6 +265,8 @@ class MegatronEngine:
                     still.append(i)
             active = still
             step += 1
+        if cache is not None:
+            self._keep(requests, seqs, cache)
         return [
             Generation(token_ids=out_ids[i], logprobs=out_lp[i], finish_reason=reasons[i]) for i in range(b)
         ]

@@ -46,6 +46,10 @@ class AttentionCache(Protocol):
 
     def window(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
+    def cached(self) -> torch.Tensor: ...
+
+    def row(self, layer: int, i: int, width: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
 
 def packed_positions(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Position of every token of a packed batch, restarting at 0 per sequence: [T] int64."""
@@ -172,13 +176,40 @@ class SDPACoreAttention(MegatronModule):
         positions = cache.positions(cu_seqlens)  # [t] continuing each row's cached tokens
         q, k = self._rope(query, positions), self._rope(key, positions)
         cache.store(self.layer_number, k, value, cu_seqlens)
-        if cache.prefilling:  # whole prompts, nothing cached before them
-            return self._attend_packed(q, k, value, cu_seqlens)
+        if cache.prefilling:
+            cached = cache.cached()  # [A] tokens an earlier call left in each row
+            if not bool(cached.any()):  # whole prompts, nothing cached before them
+                return self._attend_packed(q, k, value, cu_seqlens)
+            return self._attend_continued(cache, q, cu_seqlens, cached)
         keys, values, mask = cache.window(self.layer_number)  # [A, ng, L, hn], [A, 1, 1, L]
         out = F.scaled_dot_product_attention(
             q[:, :, None], keys, values, attn_mask=mask, scale=self.softmax_scale, enable_gqa=True
         )  # [A, np, 1, hn]: one new token per row
         return out.reshape(out.shape[0], -1)  # [A, np * hn]
+
+    def _attend_continued(
+        self, cache: AttentionCache, q: torch.Tensor, cu_seqlens: torch.Tensor, cached: torch.Tensor
+    ) -> torch.Tensor:
+        """Prefill of rows that continue cached tokens: fed token j of a row with c cached ones
+        attends to the row's positions 0 .. c + j (the causal mask aligned at the bottom right)."""
+        bounds = cu_seqlens.tolist()
+        outs = []
+        for i, (start, end, c) in enumerate(zip(bounds[:-1], bounds[1:], cached.tolist(), strict=True)):
+            n = end - start
+            keys, values = cache.row(self.layer_number, i, c + n)  # [ng, c + n, hn]
+            seen = c + torch.arange(n, device=q.device)  # [n] the last position each fed token sees
+            mask = torch.arange(c + n, device=q.device)[None, :] <= seen[:, None]
+            out = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1)[None],
+                keys[None],
+                values[None],
+                attn_mask=mask,
+                scale=self.softmax_scale,
+                enable_gqa=True,
+            )  # [1, np, n, hn]
+            outs.append(out[0].transpose(0, 1))  # [n, np, hn]
+        out = torch.cat(outs, dim=0)
+        return out.reshape(out.shape[0], -1)  # [t, np * hn]
 
     def _attend_packed(
         self, q: torch.Tensor, k: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor

@@ -58,6 +58,40 @@ def _filtered_requests() -> list[GenerationRequest]:
 GREEDY_PROMPTS = [[5, 9, 33, 2, 100, 7], [1, 2, 3, 4], [260, 261, 262]]
 
 
+def _turns(engine, reqs: list[GenerationRequest], turns: int = 3) -> list[list]:
+    """`turns` calls where each row's next prompt is its last prompt, its reply and two new
+    tokens (another speaker's message): what co_step asks of an engine, tags kept."""
+    out = []
+    for turn in range(turns):
+        gens = engine.generate(reqs)
+        out.append(gens)
+        reqs = [
+            GenerationRequest(
+                prompt_ids=[*r.prompt_ids, *g.token_ids, 50 + turn, 60 + r.seed % 7],
+                temperature=r.temperature,
+                seed=r.seed + 1000,
+                max_new_tokens=r.max_new_tokens,
+                stop_token_ids=r.stop_token_ids,
+                tag=r.tag,
+            )
+            for r, g in zip(reqs, gens, strict=True)
+        ]
+    return out
+
+
+def _reuse_checks(model, layout, reqs: list[GenerationRequest], group) -> dict:
+    """Turns with the prefixes kept and with none kept; then a weight change between two calls."""
+    from interlens_mcore.megatron.engine import MegatronEngine
+
+    kept = MegatronEngine(model, layout, group=group)
+    none = MegatronEngine(model, layout, group=group, prefix_bytes=0)
+    out = {"reuse_turns": _turns(kept, reqs), "fresh_turns": _turns(none, reqs)}
+    out["reused"], out["prefilled"] = kept.reuse.reused_tokens, kept.reuse.prefill_tokens
+    out["fresh_reused"], out["fresh_prefilled"] = none.reuse.reused_tokens, none.reuse.prefill_tokens
+    out["forwarded"] = (kept.stats.forwards, none.stats.forwards)
+    return out
+
+
 def _load(path):
     from interlens_mcore.megatron import build_model, load_hf_weights, load_layout
 
@@ -80,6 +114,7 @@ def _tp2_checks(rank: int, path: str) -> dict:
     out = {"split": engine.generate(reqs[:4] if rank == 0 else reqs[4:])}  # uneven shares
     out["cached"] = supports_kv_cache(model)  # so "split" above ran with the KV cache
     out.update(_chunked(model, layout, reqs[:4] if rank == 0 else reqs[4:]))
+    out["tp2_reuse"] = _reuse_checks(model, layout, reqs[:4] if rank == 0 else reqs[4:], engine.group)
     recompute = MegatronEngine(model, layout, use_kv_cache=False)  # group None: the world
     out["recompute"] = recompute.generate(reqs[:4] if rank == 0 else reqs[4:])
     out["idle"] = engine.generate(reqs[1:3] if rank == 1 else [])  # rank 0 idle, still joins
@@ -138,6 +173,8 @@ def _engine_job(rank, world_size, path: str):
         tok = AutoTokenizer.from_pretrained(path)
         tp1 = MegatronEngine(model, layout, group=distributed.megatron_tp_group(), tokenizer=tok)
         out["tp1_filtered"] = tp1.generate(_filtered_requests())
+        out["tp1_reuse"] = _reuse_checks(model, layout, _requests(), tp_group)
+        out.update(_weights_change(model, layout, tp_group))
         try:
             MegatronEngine(model, layout, group=tp_group).generate(_filtered_requests())
         except ValueError as exc:
@@ -161,6 +198,33 @@ def _engine_job(rank, world_size, path: str):
                 for p in GREEDY_PROMPTS
             ]
     return out
+
+
+def _weights_change(model, layout, group) -> dict:
+    """A row's second call after an in-place weight update equals a fresh engine's on the new
+    weights: the kept keys/values of the old weights are dropped, not reused."""
+    from interlens_mcore.megatron.engine import MegatronEngine
+
+    reqs = _requests()
+    engine = MegatronEngine(model, layout, group=group)
+    first = engine.generate(reqs)
+    again = [
+        GenerationRequest(
+            prompt_ids=[*r.prompt_ids, *g.token_ids, 3], seed=r.seed, max_new_tokens=6, tag=r.tag
+        )
+        for r, g in zip(reqs, first, strict=True)
+    ]
+    weight = next(p for p in model.parameters() if p.dim() == 2)
+    with torch.no_grad():
+        weight.add_(0.05)  # what an optimizer step does to a parameter: in place
+    try:
+        moved = engine.generate(again)
+        reused_after_change = engine.reuse.reused_tokens
+        fresh = MegatronEngine(model, layout, group=group, prefix_bytes=0).generate(again)
+    finally:
+        with torch.no_grad():
+            weight.sub_(0.05)
+    return {"moved": moved, "moved_fresh": fresh, "reused_after_change": reused_after_change}
 
 
 @pytest.fixture(scope="module")
@@ -202,6 +266,39 @@ def test_kv_cache_equals_full_recompute(ranks):
         assert _tokens(r["recompute"]) == _tokens(r["split"])
         for a, b in zip(r["recompute"], r["split"], strict=True):
             assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+def _same(a, b):
+    assert _tokens(a) == _tokens(b)
+    for x, y in zip(a, b, strict=True):
+        assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4)
+
+
+def test_kept_prefixes_sample_what_a_full_prefill_samples_over_turns(ranks):
+    for r in ranks:
+        got = r["tp1_reuse"]
+        for kept, fresh in zip(got["reuse_turns"], got["fresh_turns"], strict=True):
+            _same(kept, fresh)
+        # turns 2 and 3 encode only what was appended: most prompt tokens came from the store
+        assert got["reused"] > got["prefilled"] / 2 and got["fresh_reused"] == 0
+        assert got["reused"] + got["prefilled"] == got["fresh_prefilled"]
+        assert sum(len(g.token_ids) for turn in got["reuse_turns"] for g in turn) > 100
+
+
+def test_kept_prefixes_under_tp2_equal_tp1(ranks):
+    r0, r1 = ranks
+    tp2 = [a + b for a, b in zip(r0["tp2_reuse"]["reuse_turns"], r1["tp2_reuse"]["reuse_turns"], strict=True)]
+    for turn, want in zip(tp2, r0["tp1_reuse"]["reuse_turns"], strict=True):
+        _same(turn, want)
+    # both TP ranks fed the same tokens (a rank feeding fewer would hang the forward's all-reduce)
+    assert r0["tp2_reuse"]["reused"] == r1["tp2_reuse"]["reused"] > 0
+    assert r0["tp2_reuse"]["forwarded"] == r1["tp2_reuse"]["forwarded"]
+
+
+def test_a_weight_update_drops_the_kept_prefixes(ranks):
+    for r in ranks:
+        assert r["reused_after_change"] == 0
+        _same(r["moved"], r["moved_fresh"])
 
 
 def test_a_prefill_in_chunks_samples_what_one_forward_samples(ranks):

@@ -231,7 +231,11 @@ class MegatronBackend:
             group["lr"] = lr
 
     def sync_engine_weights(self) -> float:
-        """See `Backend.sync_engine_weights`: TP shards gathered into vLLM (collective over TP)."""
+        """See `Backend.sync_engine_weights`: TP shards gathered into vLLM (collective over TP);
+        our engines drop the keys/values they kept across turns (made by the old weights)."""
+        for engine in (self.engine, self._frozen_engine):
+            if isinstance(engine, MegatronEngine):
+                engine.clear()
         return self.colocated.sync() if self.colocated is not None else 0.0
 
     def grad_norm(self) -> torch.Tensor:
