@@ -7,6 +7,7 @@ everywhere. Runtime objects (model, groups, tokenizer) are constructor arguments
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Literal, get_args
@@ -325,7 +326,30 @@ class BackendConfig:
         },
     )
 
+    lora_rank: int = field(
+        default=0,
+        metadata={
+            "help": "train LoRA adapters of this rank instead of the whole model (peft; deepspeed "
+            "backend); the KL reference is then the base model with the adapters off, no second copy. "
+            "0: full fine-tuning"
+        },
+    )
+    lora_alpha: float = field(
+        default=32.0, metadata={"help": "with --lora-rank: LoRA's scale numerator (alpha / rank)"}
+    )
+    lora_dropout: float = field(
+        default=0.05, metadata={"help": "with --lora-rank: dropout on the adapters' input"}
+    )
+    lora_target_modules: str = field(
+        default="all-linear",
+        metadata={
+            "help": "with --lora-rank: comma-separated module names to adapt (q_proj,v_proj,...), or "
+            "all-linear (every linear layer but the output head, as peft and ms-swift)"
+        },
+    )
+
     def __post_init__(self) -> None:
+        self._check_lora()
         if self.backend not in BACKENDS:
             raise ValueError(f"BackendConfig.backend {self.backend!r}: expected one of {', '.join(BACKENDS)}")
         if self.tp < 1:
@@ -346,3 +370,46 @@ class BackendConfig:
                 "BackendConfig.vllm_gpu_memory_utilization must be in (0, 1], "
                 f"got {self.vllm_gpu_memory_utilization}"
             )
+
+    def _check_lora(self) -> None:
+        if self.lora_rank < 0:
+            raise ValueError(
+                f"BackendConfig.lora_rank must be >= 0 (0: full fine-tuning), got {self.lora_rank}"
+            )
+        if not self.lora_rank:
+            defaults = {f.name: f.default for f in dataclasses.fields(self)}
+            for name in ("lora_alpha", "lora_dropout", "lora_target_modules"):
+                if getattr(self, name) != defaults[name]:
+                    raise ValueError(
+                        f"BackendConfig.{name} shapes LoRA adapters: give BackendConfig.lora_rank > 0"
+                    )
+            return
+        if self.backend != "deepspeed":
+            raise ValueError(
+                f"BackendConfig.lora_rank {self.lora_rank}: LoRA is available with --backend deepspeed "
+                "(Megatron's tensor-parallel adapters are not built yet); use --backend deepspeed"
+            )
+        if self.engine != "native":
+            raise ValueError(
+                f"BackendConfig.lora_rank {self.lora_rank}: with --engine {self.engine} the adapters would "
+                "have to reach vLLM, which is not built yet; use --engine native"
+            )
+        if not (math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
+            raise ValueError(f"BackendConfig.lora_alpha must be a finite number > 0, got {self.lora_alpha}")
+        if not 0 <= self.lora_dropout < 1:
+            raise ValueError(f"BackendConfig.lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        if not lora_targets(self.lora_target_modules):
+            raise ValueError(
+                f"BackendConfig.lora_target_modules {self.lora_target_modules!r}: expected module names "
+                "separated by commas (q_proj,v_proj) or all-linear"
+            )
+
+
+def lora_targets(value: str) -> str | list[str]:
+    """peft's `target_modules` from --lora-target-modules: "all-linear", or the list of names."""
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    if names == ["all-linear"]:
+        return "all-linear"
+    return (
+        [] if "all-linear" in names or any(not n.replace(".", "_").isidentifier() for n in names) else names
+    )

@@ -57,9 +57,7 @@ def shortfall(rounds: Sequence[Rollout], quota: int) -> int:
     return max(quota - found, 0)
 
 
-def refill(
-    rounds: Sequence[tuple[Rollout, Components]], quota: int
-) -> tuple[Rollout, Components, int]:
+def refill(rounds: Sequence[tuple[Rollout, Components]], quota: int) -> tuple[Rollout, Components, int]:
     """The step's batch of `quota` prompts out of the rounds' rollouts, its reward components,
     and how many of its prompts are informative.
 

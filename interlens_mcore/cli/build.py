@@ -297,6 +297,11 @@ def check(args: Args) -> tuple[Args, TaskSource]:
             f"--sync-ref-model moves the KL reference, and --beta {args.loss.beta:g} keeps none: "
             "give --beta > 0"
         )
+    if t.sync_ref_model and b.lora_rank:
+        raise UsageError(
+            f"--sync-ref-model moves the KL reference, and with --lora-rank {b.lora_rank} the reference is "
+            "the base model under the adapters, which never moves: drop one"
+        )
     if t.kl_in_reward and not args.loss.beta > 0:
         raise UsageError(
             f"--kl-in-reward lowers each reward by beta x its KL, and --beta {args.loss.beta:g} lowers "

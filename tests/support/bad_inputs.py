@@ -578,6 +578,44 @@ SECTIONS: list[tuple[str, list[Refusal]]] = [
         ],
     ),
     (
+        "LoRA (--lora-rank)",
+        [
+            Refusal(
+                "a negative rank",
+                ("--backend", "deepspeed", "--lora-rank", "-4"),
+                "--lora-rank must be >= 0 (0: full fine-tuning), got -4",
+            ),
+            Refusal(
+                "LoRA on the megatron backend",
+                ("--lora-rank", "8"),
+                "--lora-rank 8: LoRA is available with --backend deepspeed (Megatron's tensor-parallel "
+                "adapters are not built yet); use --backend deepspeed",
+            ),
+            Refusal(
+                "its settings without it",
+                ("--backend", "deepspeed", "--lora-alpha", "16"),
+                "--lora-alpha shapes LoRA adapters: give --lora-rank > 0",
+            ),
+            Refusal(
+                "a dropout outside [0, 1)",
+                ("--backend", "deepspeed", "--lora-rank", "8", "--lora-dropout", "1"),
+                "--lora-dropout must be in [0, 1), got 1.0",
+            ),
+            Refusal(
+                "a module name that is no name",
+                ("--backend", "deepspeed", "--lora-rank", "8", "--lora-target-modules", "q-proj"),
+                "--lora-target-modules 'q-proj': expected module names separated by commas (q_proj,v_proj) "
+                "or all-linear",
+            ),
+            Refusal(
+                "a reference that would move",
+                ("--backend", "deepspeed", "--lora-rank", "8", "--beta", "0.1", "--sync-ref-model"),
+                "--sync-ref-model moves the KL reference, and with --lora-rank 8 the reference is the base "
+                "model under the adapters, which never moves: drop one",
+            ),
+        ],
+    ),
+    (
         "Advantage estimators",
         [
             Refusal(

@@ -7,6 +7,13 @@ DP group, so generation is collective over it: the HF engine runs in lockstep mo
 on its own, and so does a colocated vLLM (`vllm=VLLMConfig(...)`, TP=1 on every rank) at any
 stage: it holds whole weights, which `sync_engine_weights` gathers into it after each step.
 
+LoRA (`--lora-rank`, `lora=peft.LoraConfig(...)`): the model is wrapped by peft's
+`get_peft_model`, only the adapters reach DeepSpeed's optimizer, and the KL reference is the same
+module with its adapters switched off (`disable_adapter`): one model in memory, one extra forward.
+Checkpoints then hold the adapters and their optimizer state alone (DeepSpeed's
+`exclude_frozen_parameters`; the base weights are `--model`'s), and `adapter/` beside them in
+peft's `save_pretrained` layout, which `PeftModel.from_pretrained(base, folder / "adapter")` loads.
+
 Starting: DeepSpeed's communication init JIT-builds its `deepspeed_shm_comm` op into the shared
 torch extensions folder, and a build killed midway leaves a `lock` file there on which every
 later build of that op waits forever. Training never calls the op (it serves DeepSpeed
@@ -17,6 +24,7 @@ after a minute says where it waits (a build lock by its path).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -40,9 +48,15 @@ from interlens_mcore.engines.weight_sync import hf_tensors, zero3_hf_tensors
 from interlens_mcore.grpo.batch import Layout, TrainingBatch
 from interlens_mcore.grpo.logprobs import token_entropy, token_logprobs
 
-from ..config import BackendConfig, TrainerConfig
+from ..config import BackendConfig, TrainerConfig, lora_targets
 from .base import REFERENCE_DIR
 from .colocated_vllm import ColocatedVLLM, vllm_config
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
+    from transformers import PreTrainedModel
+
+ADAPTER_DIR = "adapter"  # a LoRA checkpoint's adapters in peft's layout
 
 
 def build(
@@ -79,12 +93,28 @@ def build(
         temperature=temperature,
         reference=reference,
         vllm=vllm_config(cfg, 1),
+        lora=lora_config(cfg),
     )
     return backend, groups
 
 
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+def lora_config(cfg: BackendConfig) -> LoraConfig | None:
+    """peft's `LoraConfig` from the --lora-* options (None without --lora-rank)."""
+    if not cfg.lora_rank:
+        return None
+    try:
+        from peft import LoraConfig
+    except ImportError:
+        raise ValueError(
+            "--lora-rank trains adapters with peft, which is not installed (pip install -e '.[lora]')"
+        ) from None
+    return LoraConfig(
+        r=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=lora_targets(cfg.lora_target_modules),
+        task_type="CAUSAL_LM",
+    )
 
 
 def deepspeed_config(
@@ -132,9 +162,9 @@ def start(model: torch.nn.Module, ds_config: dict) -> Any:
             flush=True,
         )
     with said_if_slow("deepspeed.initialize", after_s=START_PATIENCE_S):
-        engine, _, _, _ = deepspeed.initialize(
-            model=model, model_parameters=model.parameters(), config=ds_config
-        )
+        # only what trains reaches the optimizer (all of it without LoRA, the adapters with it)
+        trained = [p for p in model.parameters() if p.requires_grad]
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trained, config=ds_config)
     return engine
 
 
@@ -190,7 +220,8 @@ def where(thread_id: int) -> str:
 class DeepSpeedBackend:
     """An HF model wrapped by `deepspeed.initialize` from a JSON config dict.
 
-    `reference=True` keeps a frozen copy of the initial weights for the KL term.
+    `reference=True` keeps a frozen copy of the initial weights for the KL term; with `lora` the
+    reference is the base model itself, adapters off (no copy).
     """
 
     layout: Layout = "padded"
@@ -206,6 +237,7 @@ class DeepSpeedBackend:
         temperature: float = 1.0,
         reference: bool = False,
         vllm: VLLMConfig | None = None,
+        lora: LoraConfig | None = None,
     ):
         from transformers import AutoModelForCausalLM
 
@@ -229,7 +261,16 @@ class DeepSpeedBackend:
         # it exactly, or gradients would leak into the next rollout's step
         self.micro_batches = int(ds_config.get("gradient_accumulation_steps", 1))
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
-        self.reference = self._initial_model() if reference else None
+        self.lora = lora
+        if lora is not None:
+            if vllm is not None:
+                raise ValueError("LoRA adapters do not reach a colocated vLLM yet: use the native engine")
+            from peft import get_peft_model
+
+            model = get_peft_model(model, lora)
+        # with LoRA the reference is the base model under the adapters: nothing more to load
+        self.reference = self._initial_model() if reference and lora is None else None
+        self._adapters_off_reference = reference and lora is not None
         self.reference_moved = False  # mix_reference moved it off the initial weights: it is saved
         self.ds = start(model, ds_config)
         self._skipped_seen = self.ds.skipped_steps
@@ -256,7 +297,7 @@ class DeepSpeedBackend:
 
     @property
     def has_reference(self) -> bool:
-        return self.reference is not None
+        return self.reference is not None or self._adapters_off_reference
 
     def _initial_model(self) -> PreTrainedModel:
         from transformers import AutoModelForCausalLM
@@ -279,6 +320,15 @@ class DeepSpeedBackend:
         if self.colocated is not None:
             self.colocated.idle()  # the rollout is over: vLLM may free its memory until the sync
         if reference:
+            if self._adapters_off_reference:  # the base model: the same module, adapters off
+                module = self.ds.module
+                was_training = module.training
+                module.eval()
+                try:
+                    with torch.no_grad(), module.disable_adapter():
+                        return self._logprobs(module, batch)
+                finally:
+                    module.train(was_training)
             if self.reference is None:
                 raise ValueError("logprobs_of(reference=True): the backend was built with reference=False")
             with torch.no_grad():
@@ -337,6 +387,10 @@ class DeepSpeedBackend:
         """The KL reference moved toward the policy: ref = alpha * policy + (1 - alpha) * ref.
         Under ZeRO-3 each policy parameter is gathered in turn (collective over the DP group, every
         rank in the same order); the reference is whole on every rank."""
+        if self._adapters_off_reference:
+            raise ValueError(
+                "mix_reference: with LoRA the reference is the base model itself, which does not move"
+            )
         if self.reference is None:
             raise ValueError("mix_reference: the backend was built with reference=False")
         own = dict(self.ds.module.named_parameters())
@@ -354,7 +408,10 @@ class DeepSpeedBackend:
     def save(self, folder: Path) -> None:
         """DeepSpeed's checkpoint; a reference that `mix_reference` moved beside it (`reference/`,
         an HF folder in safetensors, written by rank 0)."""
-        self.ds.save_checkpoint(str(folder), tag="deepspeed")
+        # with LoRA the frozen base weights are --model's: the adapters and their state alone
+        self.ds.save_checkpoint(str(folder), tag="deepspeed", exclude_frozen_parameters=self.lora is not None)
+        if self.lora is not None:
+            self._save_adapter(folder / ADAPTER_DIR)
         if self.reference is not None and self.reference_moved and distributed.rank() == 0:
             self.reference.save_pretrained(folder / REFERENCE_DIR, safe_serialization=True)
 
@@ -362,7 +419,8 @@ class DeepSpeedBackend:
         # DeepSpeed reads its files with torch.load(weights_only=False): nothing that would call
         # more than plain data types gets that far (interlens_mcore.safe_load)
         check_checkpoint(folder / "deepspeed")
-        path, _ = self.ds.load_checkpoint(str(folder), tag="deepspeed")
+        # a LoRA checkpoint holds no frozen base weight: those stay as --model loaded them
+        path, _ = self.ds.load_checkpoint(str(folder), tag="deepspeed", load_module_strict=self.lora is None)
         if path is None:
             raise ValueError(f"checkpoint {folder} holds no DeepSpeed state")
         self._skipped_seen = self.ds.skipped_steps  # the engine's counter comes back with it
@@ -376,6 +434,21 @@ class DeepSpeedBackend:
             self.reference.load_state_dict(moved.state_dict())
             self.reference_moved = True
         self.sync_engine_weights()  # a resumed run generates with the weights it resumes from
+
+    def _save_adapter(self, folder: Path) -> None:
+        """The adapters in peft's layout (safetensors), by rank 0; under ZeRO-3 gathered first
+        (collective over the DP group)."""
+        module = self.ds.module
+        adapters = [p for p in module.parameters() if p.requires_grad]
+        if self.zero_stage == 3:
+            import deepspeed
+
+            gathered: Any = deepspeed.zero.GatheredParameters(adapters)
+        else:
+            gathered = contextlib.nullcontext()
+        with gathered:
+            if distributed.rank() == 0:
+                module.save_pretrained(folder, safe_serialization=True)
 
     def export_hf(self, out_dir: str | Path) -> Path:
         """Not available: HF export is the megatron backend's (`--export-hf` says so too)."""
