@@ -130,9 +130,9 @@ class HFEngine:
         reasons = ["length"] * b
         active = torch.tensor([c > 0 for c in caps])
         cache = DynamicCache()
-        logits = self._forward(
-            input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache
-        )[:, -1]  # [B, V]
+        logits = self._forward(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache)[
+            :, -1
+        ]  # [B, V]
         sampler = BatchSampling(
             requests,
             vocab_start=0,

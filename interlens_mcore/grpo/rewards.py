@@ -54,9 +54,7 @@ class RewardFn(Protocol):
     annotates them with its task's row type still fits).
     """
 
-    def __call__(
-        self, trajectories: Sequence[Trajectory], rows: Sequence[Any]
-    ) -> Sequence[float | None]: ...
+    def __call__(self, trajectories: Sequence[Trajectory], rows: Sequence[Any]) -> Sequence[float | None]: ...
 
 
 class RewardError(ValueError):

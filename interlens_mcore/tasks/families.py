@@ -39,11 +39,16 @@ PRETRAINED_ON_CPU: dict[str, object] = {
     "temperature": 0.7,
     "lr": 1e-5,
     "beta": 0.0,
-    # the update's forward holds logits [tokens, 49152]: 4 trajectories a micro-batch keeps a
-    # self-play game's 32 long trajectories (textarena) within a CPU machine's memory; the
-    # accumulated micro-batches give the same update as one
+    # the update's forward holds logits [tokens, 49152] and about 1.4 MB of activations a token
+    # (30 layers): 4 short trajectories a micro-batch fit a CPU machine's memory; the accumulated
+    # micro-batches give the same update as one
     "micro_batch_size": 4,
 }
+
+# a game or an episode is one long conversation a trajectory (a textarena self-play game is two of
+# them, up to thousands of tokens each): one a micro-batch. 4 of them took a rank of SmolLM2 past
+# 7 GB and a 2-rank ConnectFour run on a 23 GB machine was killed for memory at its third step
+ONE_CONVERSATION_A_MICRO_BATCH: dict[str, object] = {**PRETRAINED_ON_CPU, "micro_batch_size": 1}
 
 
 def make_source(spec: str, **task_args: object) -> TaskSource:

@@ -31,7 +31,7 @@ from typing import Any
 from ..rollout.conversation import Conversation, Environment, Participant, Policy
 from ..types import Message
 from .base import TaskSource
-from .families import PRETRAINED_ON_CPU
+from .families import ONE_CONVERSATION_A_MICRO_BATCH
 from .split import check_fraction, derive_seed, held_out
 
 
@@ -289,7 +289,10 @@ class GymSource(TaskSource):
         return self._draw(n, seed, evaluation=True)
 
     def option_defaults(self) -> dict[str, object]:
-        return {**PRETRAINED_ON_CPU, "max_new_tokens": 16}  # `<action>south</action>` and a word or two
+        return {
+            **ONE_CONVERSATION_A_MICRO_BATCH,
+            "max_new_tokens": 16,
+        }  # `<action>south</action>` and a word or two
 
     def describe(self) -> dict[str, object]:
         o = self.options

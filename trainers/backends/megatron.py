@@ -177,6 +177,9 @@ class MegatronBackend:
 
     def logprobs_of(self, batch: TrainingBatch, *, reference: bool = False) -> torch.Tensor:
         """[1, T] logprobs of batch.targets: the trained model's with gradient, or the reference's."""
+        for engine in (self.engine, self._frozen_engine):
+            if isinstance(engine, MegatronEngine):
+                engine.clear()  # the rollout is over: its kept keys/values only take memory now
         if batch.layout != "packed" or batch.num_tokens != batch.input_ids.shape[1]:
             raise ValueError("MegatronBackend needs packed batches without padding (pad_to_multiple=1)")
         if self.colocated is not None:
