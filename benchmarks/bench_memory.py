@@ -46,11 +46,11 @@ def one(model: str, backend: str, lora_rank: int, reference: bool, args) -> dict
     import torch
     from transformers import AutoTokenizer
 
+    from interlens_mcore import distributed
     from interlens_mcore.assets import ensure_tiny_model
     from interlens_mcore.assets.smollm2 import ensure_smollm2
     from interlens_mcore.grpo.batch import build_batch
     from interlens_mcore.types import Trajectory
-    from interlens_mcore import distributed
     from trainers import BackendConfig, TrainerConfig, build_backend
 
     torch.set_num_threads(args.threads)
