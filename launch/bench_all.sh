@@ -8,6 +8,8 @@
 #   TURNS=2,4,8,16 TURNS_CONVS=32 TURNS_NEW=16 REPEATS=3  key/value reuse vs re-encoding
 #   GROWTH_CONVS=1,4,16,64,256 GROWTH_TURNS=1,2,4,8,16 GROWTH_NEW=8
 #   TRAIN_STEPS=4 TRAIN_BATCH=16 TRAIN_TIMEOUT=240                          training-step breakdown (2 ranks)
+#   TURNS_MODEL=tiny (or smollm2)                         the same through MegatronEngine
+#   MEMORY_MODELS=tiny,smollm2                            memory of one step, full vs LoRA
 #   TENSORS_TRAJ=256                                      packed vs padded tensors
 #   SOAK_RUNS=200                                         randomised fault soak (2 ranks)
 #   TRL_VERSION=1.16.0 (empty: skip installing TRL)       peer comparison
@@ -31,6 +33,12 @@ todo rollout && python benchmarks/bench_rollout.py --json --conversations "${ROL
 step turns
 todo turns && python benchmarks/bench_turns.py --json --turns "${TURNS:-2,4,8,16}" --conversations "${TURNS_CONVS:-32}" \
     --max-new-tokens "${TURNS_NEW:-16}" --repeats "${REPEATS:-3}" | last > "$OUT/turns.json"
+step turns_megatron
+todo turns_megatron && python benchmarks/bench_turns.py --json --engine megatron --model "${TURNS_MODEL:-tiny}" \
+    --turns "${TURNS:-2,4,8,16}" --conversations "${TURNS_CONVS:-32}" --max-new-tokens "${TURNS_NEW:-16}" \
+    --repeats "${REPEATS:-3}" | last > "$OUT/turns_megatron.json"
+step memory
+todo memory && python benchmarks/bench_memory.py --json --models "${MEMORY_MODELS:-tiny,smollm2}" | last > "$OUT/memory.json"
 step tensors
 todo tensors && python benchmarks/bench_tensors.py --json --trajectories "${TENSORS_TRAJ:-256}" | last > "$OUT/tensors.json"
 step growth

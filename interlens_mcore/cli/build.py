@@ -213,6 +213,11 @@ def reward_fns(args: Args, groups: Any = None) -> tuple[list[Any], list[float] |
         raise UsageError(str(exc)) from None
     fns += model_rewards(args, groups)
     if not fns:
+        if args.origins.get("no_env_reward") == defaults.DATASET_HAS_NO_REWARD:
+            raise UsageError(
+                "a --dataset task has no reward of its own: add --reward MODULE:FN or --reward-funcs NAME "
+                "(e.g. --reward-funcs accuracy against an answer or solution column)"
+            )
         raise UsageError("--no-env-reward leaves no reward: add --reward MODULE:FN or --reward-funcs NAME")
     weights = list(la.reward_weights) or None
     if weights is not None and len(weights) != len(fns):
@@ -250,7 +255,14 @@ def with_task_defaults(args: Args) -> tuple[Args, TaskSource]:
     if args.launch.multi_turn_scheduler is not None:
         return args, base  # an ms-swift scheduler brings no options of ours
     what = f"task {args.launch.task}" if args.launch.dataset is None else "a --dataset task"
+    if args.backend.model == "smollm2" and args.origins.get("model") in defaults.USER:
+        # the sizes SmolLM2 learns with on a CPU (the tiny policy's lr 1e-3 would wreck it); the
+        # task's own defaults come after and win
+        args = defaults.apply(args, defaults.model_defaults("smollm2"), "--model smollm2")
     args = defaults.apply(args, base.option_defaults(), what)
+    if args.launch.dataset is not None and args.launch.agent is None:
+        # rows bring no reward of their own (an agent's return value may): the reward functions score
+        args = defaults.apply(args, {"no_env_reward": True}, defaults.DATASET_HAS_NO_REWARD)
     if args.launch.tools is not None:
         args = defaults.apply(args, defaults.TOOL_DEFAULTS, "--tools")
     return args, base

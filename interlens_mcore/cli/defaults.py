@@ -1,7 +1,8 @@
 """Options a task brings: its defaults, under the user's YAML and command line.
 
-Precedence, lowest first: the dataclass defaults, the task's `TaskSource.option_defaults()`,
-`--config FILE.yaml`, the command line. `apply` fills in the task's values for the options the
+Precedence, lowest first: the dataclass defaults, a named model's (`--model smollm2`: the sizes it
+learns with on a CPU), the task's `TaskSource.option_defaults()` (and a dataset's
+`--no-env-reward`), `--config FILE.yaml`, the command line. `apply` fills in the task's values for the options the
 user did not set; `describe` is the line a launch script prints at start, each value that is not
 a plain default with where it came from.
 """
@@ -16,6 +17,18 @@ USER = ("run.json", "YAML", "command line")  # the origins `apply` never overrid
 
 # what a policy that calls tools needs, whatever the task under it: room for a call in one reply
 TOOL_DEFAULTS: dict[str, object] = {"max_new_tokens": 128}
+
+# the origin of --no-env-reward on a dataset task, whose rows bring no reward of their own
+DATASET_HAS_NO_REWARD = "a --dataset task, which has no reward of its own"
+
+
+def model_defaults(model: str) -> dict[str, object]:
+    """The options a named model learns with on a CPU when the user picks it (`--model smollm2`)."""
+    from interlens_mcore.tasks.families import PRETRAINED_ON_CPU
+
+    if model != "smollm2":
+        return {}
+    return {k: v for k, v in PRETRAINED_ON_CPU.items() if k != "model"}
 
 
 def section_of(name: str) -> str:

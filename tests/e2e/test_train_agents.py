@@ -23,7 +23,7 @@ def test_an_agents_sdk_agent_trains(tmp_path):
     assert texts and any("higher: between" in t or "lower: between" in t for t in texts)
 
 
-SYNC_AGENT = '''
+SYNC_AGENT = """
 def solve(client, row):  # a plain function: it gets an openai.OpenAI client
     reply = client.chat.completions.create(
         model="policy", messages=[{"role": "user", "content": row["question"]}], max_tokens=4
@@ -31,7 +31,7 @@ def solve(client, row):  # a plain function: it gets an openai.OpenAI client
     said = reply.choices[0].message.content.strip()
     right = said == str(row["answer"])
     return {"reward": float(right) + 0.1 * said.isdigit(), "success": float(right)}
-'''
+"""
 
 
 def test_a_sync_agent_on_dataset_rows(tmp_path):

@@ -1,7 +1,7 @@
 """A reward model folder and a generative judge each train 3 steps from the command line:
 
-    torchrun --nproc_per_node=2 launch/train_grpo.py --reward-model RM_FOLDER --steps 3
-    torchrun --nproc_per_node=2 launch/train_grpo.py --judge-model FOLDER --judge-template judge.txt
+torchrun --nproc_per_node=2 launch/train_grpo.py --reward-model RM_FOLDER --steps 3
+torchrun --nproc_per_node=2 launch/train_grpo.py --judge-model FOLDER --judge-template judge.txt
 """
 
 from __future__ import annotations

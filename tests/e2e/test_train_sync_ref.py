@@ -17,8 +17,16 @@ def test_a_reference_moved_all_the_way_is_the_policy(tmp_path, backend):
     # alpha 1 after every step: the reference is the policy that generates the next step, so the
     # KL of the next step's single update is 0; without the sync it is not
     args = ["--steps", "3", "--beta", "0.1", "--lr", "0.01", *SMALL, *BACKENDS[backend]]
-    synced = torchrun(*args, "--output-dir", str(tmp_path / "a"), "--sync-ref-model",
-                      "--ref-model-sync-steps", "1", "--ref-model-mixup-alpha", "1.0")
+    synced = torchrun(
+        *args,
+        "--output-dir",
+        str(tmp_path / "a"),
+        "--sync-ref-model",
+        "--ref-model-sync-steps",
+        "1",
+        "--ref-model-mixup-alpha",
+        "1.0",
+    )
     assert synced.returncode == 0, synced.stderr[-3000:]
     plain = torchrun(*args, "--output-dir", str(tmp_path / "b"))
     assert plain.returncode == 0, plain.stderr[-3000:]

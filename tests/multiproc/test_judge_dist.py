@@ -109,7 +109,5 @@ def _weighted_on_rank(rank, world, tiny_path, template_path):
 def test_a_rank_whose_samples_all_failed_joins_the_judges_round(tiny_path, tmp_path):
     template = tmp_path / "judge.txt"
     template.write_text(TEMPLATE)
-    (n0, status0), (n1, status1) = run_ranks(
-        _weighted_on_rank, 2, str(tiny_path), str(template), timeout=300
-    )
+    (n0, status0), (n1, status1) = run_ranks(_weighted_on_rank, 2, str(tiny_path), str(template), timeout=300)
     assert n0 == n1 == 3 and status0 == ["stopped"] * 3 and status1 == ["failed"] * 3

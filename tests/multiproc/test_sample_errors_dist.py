@@ -75,8 +75,10 @@ def _both_drivers(rank, world_size, tiny_path):
                    gather_fn=groups.gather_fn(), rank=rank, on_sample_error="skip")  # fmt: skip
         report[fail] = {
             "lineups": [(c.status.value, c.stop_reason, c.trajectories()[0].token_ids) for c in convs],
-            "swift": [(o.status.value, o.to_trajectory().infos.stop_reason, o.to_trajectory().token_ids)
-                      for o in outs],  # fmt: skip
+            "swift": [
+                (o.status.value, o.to_trajectory().infos.stop_reason, o.to_trajectory().token_ids)
+                for o in outs
+            ],  # fmt: skip
         }
     return report
 

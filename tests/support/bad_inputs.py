@@ -152,8 +152,16 @@ SECTIONS: list[tuple[str, list[Refusal]]] = [
             ),
             Refusal(
                 "accumulation steps and another micro-batch size",
-                ("--batch-size", "8", "--num-generations", "4", "--gradient-accumulation-steps", "2",
-                 "--per-device-train-batch-size", "2"),
+                (
+                    "--batch-size",
+                    "8",
+                    "--num-generations",
+                    "4",
+                    "--gradient-accumulation-steps",
+                    "2",
+                    "--per-device-train-batch-size",
+                    "2",
+                ),
                 "--gradient-accumulation-steps 2 makes micro-batches of 4 trajectories but "
                 "--micro-batch-size is 2 (give one of them, or --batch-size 4 for N micro-batches of 2)",
             ),  # fmt: skip
@@ -302,7 +310,7 @@ SECTIONS: list[tuple[str, list[Refusal]]] = [
             ),
             Refusal(
                 "`--eval-only` on a task without held-out rows",
-                ("--dataset", "{tmp}/one.jsonl", "--eval-only"),
+                ("--dataset", "{tmp}/one.jsonl", "--reward-funcs", "format", "--eval-only"),
                 "--eval-only: task dataset:one.jsonl has no held-out rows to evaluate (a dataset takes "
                 "them from --eval-dataset or a twentieth of its rows)",
                 files=(("one.jsonl", '{"prompt": "2 + 2 ="}\n'),),
@@ -359,6 +367,13 @@ SECTIONS: list[tuple[str, list[Refusal]]] = [
                 "no reward at all",
                 ("--no-env-reward",),
                 "--no-env-reward leaves no reward: add --reward MODULE:FN or --reward-funcs NAME",
+            ),
+            Refusal(
+                "a dataset with no reward function",
+                ("--dataset", "{tmp}/rows.jsonl"),
+                "a --dataset task has no reward of its own: add --reward MODULE:FN or --reward-funcs NAME "
+                "(e.g. --reward-funcs accuracy against an answer or solution column)",
+                files=(("rows.jsonl", '{"prompt": "what is 2 + 2?", "answer": "4"}\n'),),
             ),
             Refusal(
                 "an empty dataset",

@@ -108,9 +108,7 @@ def trained(out: Path, steps: int = 3) -> list[dict]:
 
 def evaluations(out: Path) -> list[dict]:
     """Every current record holding evaluation figures, the end-of-run one (step == steps) included."""
-    return [
-        r for r in all_records(out) if any(k.startswith("eval/") for k in r) and not r.get("superseded")
-    ]
+    return [r for r in all_records(out) if any(k.startswith("eval/") for k in r) and not r.get("superseded")]
 
 
 def train_main():

@@ -509,9 +509,7 @@ def test_gym_scheduler_resets_environments_before_turn_one(tokenizer, chat, gues
     assert [m["content"] for m in won.infos["messages"]] == [system, observation, "3", "higher", "7"]
     assert won.infos["env_reward"] == 1.0 and won.infos["step_rewards"] == [0.0, 1.0]
     assert won.infos["gym_done"] and won.status is Status.STOPPED and won.infos.turns == 2
-    assert (
-        lost.infos["env_reward"] == 0.0 and lost.status is Status.MAX_TURNS and lost.infos.turns == 3
-    )
+    assert lost.infos["env_reward"] == 0.0 and lost.status is Status.MAX_TURNS and lost.infos.turns == 3
     assert GuessEnv.closed == 2  # one when its episode ended, one at on_trajectory_end
     for i, traj in enumerate(trajectories):
         assert_engine_view(traj, engine.view(i))

@@ -80,7 +80,8 @@ def test_math_accuracy_compares_answers_as_math():
 def test_an_orm_written_for_ms_swift_registers_in_orms_and_runs_by_name(tmp_path):
     from interlens_mcore.rewards import named
 
-    (tmp_path / "swift_orm_plugin.py").write_text(textwrap.dedent("""
+    (tmp_path / "swift_orm_plugin.py").write_text(
+        textwrap.dedent("""
         # was: from swift.rewards import ORM, orms
         from interlens_mcore.compat.swift import ORM, orms
 
@@ -89,7 +90,8 @@ def test_an_orm_written_for_ms_swift_registers_in_orms_and_runs_by_name(tmp_path
                 return [float(c.isupper()) for c in completions]
 
         orms["shouting"] = Shouting
-    """))
+    """)
+    )
     try:
         (fn,) = named(["shouting"], [str(tmp_path / "swift_orm_plugin.py")], max_new_tokens=8)
         assert swift.orms["shouting"].__name__ == "Shouting"
