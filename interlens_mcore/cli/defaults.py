@@ -2,9 +2,9 @@
 
 Precedence, lowest first: the dataclass defaults, a named model's (`--model smollm2`: the sizes it
 learns with on a CPU), the task's `TaskSource.option_defaults()` (and a dataset's
-`--no-env-reward`), `--config FILE.yaml`, the command line. `apply` fills in the task's values for the options the
-user did not set; `describe` is the line a launch script prints at start, each value that is not
-a plain default with where it came from.
+`--no-env-reward`), `--config FILE.yaml`, the command line. `apply` fills in the task's values
+for the options the user did not set; `describe` is the line a launch script prints at start,
+each value that is not a plain default with where it came from.
 """
 
 from __future__ import annotations
