@@ -60,3 +60,20 @@ def test_a_task_default_that_is_no_option_is_named():
         defaults.apply(args, {"max_new_token": 8}, "task mine")
     with pytest.raises(UsageError, match="task mine: its default options do not hold"):
         defaults.apply(args, {"num_generations": 0}, "task mine")
+
+
+def test_a_dataset_scores_with_its_reward_functions_and_smollm2_brings_its_sizes(tmp_path):
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"prompt": "2 + 2?", "answer": "4"}) + "\n")
+    args = _args("--dataset", str(data), "--model", "smollm2", "--reward-funcs", "accuracy", "--beta", "0.1")
+    assert args.launch.no_env_reward and args.origins["no_env_reward"] == defaults.DATASET_HAS_NO_REWARD
+    # the tiny policy's lr 1e-3 would wreck a pretrained model: the model's CPU sizes instead
+    assert (args.trainer.lr, args.origins["lr"]) == (1e-5, "--model smollm2")
+    assert args.trainer.batch_size == PRETRAINED_ON_CPU["batch_size"]
+    assert (args.loss.beta, args.origins["beta"]) == (0.1, "command line")  # the user's stays
+    assert args.rollout.max_new_tokens == 64  # the task's defaults come after the model's
+    # an agent's returned reward is the task's: its env reward stays on
+    agent = _args("--dataset", str(data), "--agent", "launch.agents.guess_agent:play")
+    assert not agent.launch.no_env_reward
+    # the tiny model keeps the library's sizes
+    assert _args("--dataset", str(data), "--model", "tiny").trainer.lr == 1e-3
