@@ -22,9 +22,11 @@ def test_a_task_family_brings_its_model_and_lengths_unless_the_user_sets_them():
     assert args.origins["max_new_tokens"] == "command line"
     assert (args.backend.model, args.trainer.lr, args.rollout.temperature) == ("smollm2", 1e-5, 0.7)
     assert args.origins["model"] == "task gym:FrozenLake-v1"
+    assert args.rollout.micro_batch_size == 1  # an episode a micro-batch: its conversation is long
     plain = _args("--task", "reasoning_gym:basic_arithmetic")
     assert plain.rollout.max_new_tokens == 48  # room for <answer>...</answer>, where 6 holds none
     assert plain.trainer.batch_size == PRETRAINED_ON_CPU["batch_size"]
+    assert plain.rollout.micro_batch_size == PRETRAINED_ON_CPU["micro_batch_size"] == 4
 
 
 def test_yaml_sits_between_the_task_and_the_command_line(tmp_path):
