@@ -93,8 +93,8 @@ class KVCache:
         cache_k, cache_v = self._keys[layer], self._values[layer]
         if self.prefilling:  # after any seeded tokens
             bounds = cu_seqlens.tolist()
-            at = self.lengths[self.rows].tolist()
-            for row, c, start, end in zip(self.rows.tolist(), at, bounds[:-1], bounds[1:], strict=True):
+            cached = self.lengths[self.rows].tolist()
+            for row, c, start, end in zip(self.rows.tolist(), cached, bounds[:-1], bounds[1:], strict=True):
                 cache_k[row, :, c : c + end - start] = keys[start:end].transpose(0, 1)
                 cache_v[row, :, c : c + end - start] = values[start:end].transpose(0, 1)
         else:

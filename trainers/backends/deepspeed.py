@@ -110,7 +110,8 @@ def lora_config(cfg: BackendConfig) -> LoraConfig | None:
         ) from None
     return LoraConfig(
         r=cfg.lora_rank,
-        lora_alpha=cfg.lora_alpha,
+        # peft types it int; it computes alpha / r in floats, so a fractional alpha works as given
+        lora_alpha=cfg.lora_alpha,  # type: ignore[arg-type]
         lora_dropout=cfg.lora_dropout,
         target_modules=lora_targets(cfg.lora_target_modules),
         task_type="CAUSAL_LM",
@@ -260,7 +261,7 @@ class DeepSpeedBackend:
         # DeepSpeed steps at its accumulation boundary: one backward per micro-batch must reach
         # it exactly, or gradients would leak into the next rollout's step
         self.micro_batches = int(ds_config.get("gradient_accumulation_steps", 1))
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        model: Any = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
         self.lora = lora
         if lora is not None:
             if vllm is not None:
