@@ -12,6 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[3]
 
 
+@pytest.mark.slow  # two DeepSpeed starts in processes of their own: about a minute
 def test_bench_memory_counts_one_model_for_lora_with_a_reference():
     pytest.importorskip("peft", reason="LoRA trains with peft, an optional extra: pip install -e .[lora]")
     cmd = [
