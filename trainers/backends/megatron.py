@@ -175,11 +175,15 @@ class MegatronBackend:
             )
         return self._frozen_engine
 
-    def logprobs_of(self, batch: TrainingBatch, *, reference: bool = False) -> torch.Tensor:
-        """[1, T] logprobs of batch.targets: the trained model's with gradient, or the reference's."""
+    def _drop_kept_prefixes(self) -> None:
+        """Our engines forget the keys/values they kept across turns."""
         for engine in (self.engine, self._frozen_engine):
             if isinstance(engine, MegatronEngine):
-                engine.clear()  # the rollout is over: its kept keys/values only take memory now
+                engine.clear()
+
+    def logprobs_of(self, batch: TrainingBatch, *, reference: bool = False) -> torch.Tensor:
+        """[1, T] logprobs of batch.targets: the trained model's with gradient, or the reference's."""
+        self._drop_kept_prefixes()  # the rollout is over: its kept keys/values only take memory now
         if batch.layout != "packed" or batch.num_tokens != batch.input_ids.shape[1]:
             raise ValueError("MegatronBackend needs packed batches without padding (pad_to_multiple=1)")
         if self.colocated is not None:
@@ -236,9 +240,7 @@ class MegatronBackend:
     def sync_engine_weights(self) -> float:
         """See `Backend.sync_engine_weights`: TP shards gathered into vLLM (collective over TP);
         our engines drop the keys/values they kept across turns (made by the old weights)."""
-        for engine in (self.engine, self._frozen_engine):
-            if isinstance(engine, MegatronEngine):
-                engine.clear()
+        self._drop_kept_prefixes()
         return self.colocated.sync() if self.colocated is not None else 0.0
 
     def grad_norm(self) -> torch.Tensor:
