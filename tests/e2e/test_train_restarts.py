@@ -1,5 +1,6 @@
 """Runs that stop and go on: extended, resumed at another TP size, failing on one rank, killed
-and restarted by torchrun, and a library run that finds its folder taken."""
+and restarted by torchrun, the same on two "nodes" (launch/multinode.sh), and a library run that
+finds its folder taken."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from support.dist import run_ranks
-from support.launch import ROOT, SMALL, TRAIN, env, metrics, torchrun
+from support.launch import ROOT, SMALL, TRAIN, env, metrics, nodes, torchrun
 
 # an environment that raises on rank 1 at step 1, or (FAULT=kill) kills its process there on the
 # first attempt only; otherwise guess-a-number. Conversation ids are "s<step>-r<rank>-..."
@@ -92,12 +95,21 @@ def test_a_failure_on_one_rank_is_every_ranks_last_line(tmp_path):
     assert [r["step"] for r in metrics(out)] == [0, 1, 2]  # what was done before is kept
 
 
-def test_killed_worker_restarts_and_reaches_the_same_metrics(tmp_path):
-    (tmp_path / "faulty.py").write_text(FAULTY)
-    base = ["--task", "faulty:make", "--steps", "6", *SMALL]  # SMALL saves every 2 steps
-    clean = tmp_path / "clean"
-    res = torchrun(*base, "--output-dir", str(clean), cwd=tmp_path)
+FAULTY_RUN = ["--task", "faulty:make", "--steps", "6", *SMALL]  # SMALL saves every 2 steps
+
+
+@pytest.fixture(scope="module")
+def clean_faulty_run(tmp_path_factory):
+    """The faulty task's run with no fault: what a restarted run must reach."""
+    tmp = tmp_path_factory.mktemp("clean")
+    (tmp / "faulty.py").write_text(FAULTY)
+    res = torchrun(*FAULTY_RUN, "--output-dir", str(tmp / "run"), cwd=tmp)
     assert res.returncode == 0, res.stderr[-3000:]
+    return metrics(tmp / "run")
+
+
+def test_killed_worker_restarts_and_reaches_the_same_metrics(tmp_path, clean_faulty_run):
+    (tmp_path / "faulty.py").write_text(FAULTY)
     killed = tmp_path / "killed"
     cmd = [
         sys.executable,
@@ -107,15 +119,41 @@ def test_killed_worker_restarts_and_reaches_the_same_metrics(tmp_path):
         "--nproc_per_node=2",
         "--max-restarts=1",
     ]
-    cmd += [str(TRAIN), *base, "--output-dir", str(killed), "--resume", "auto"]
+    cmd += [str(TRAIN), *FAULTY_RUN, "--output-dir", str(killed), "--resume", "auto"]
     res = subprocess.run(
         cmd, capture_output=True, text=True, timeout=400, cwd=tmp_path, env=env(FAULT="kill")
     )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resuming at step 2 of 6" in res.stderr  # the restart continued from the checkpoint
-    done, want = metrics(killed), metrics(clean)
+    done = metrics(killed)
     assert [r["step"] for r in done] == list(range(6))
-    assert [r["reward_mean"] for r in done] == [r["reward_mean"] for r in want]
+    assert [r["reward_mean"] for r in done] == [r["reward_mean"] for r in clean_faulty_run]
+
+
+def test_two_nodes_run_the_job_and_restart_a_lost_nodes_worker(tmp_path, clean_faulty_run):
+    # launch/multinode.sh once a "node", one worker each, a c10d rendezvous: the vote and the
+    # world checks go across nodes; the worker of the node holding rank 1 is killed at step 3 on
+    # the first attempt, both agents restart their workers, and the run resumes from step 2
+    (tmp_path / "faulty.py").write_text(FAULTY)
+    out = tmp_path / "run"
+    done = nodes(*FAULTY_RUN, "--output-dir", str(out), cwd=tmp_path, timeout=400, FAULT="kill", MAX_RESTARTS="1")
+    for res in done:
+        assert res.returncode == 0, res.stderr[-3000:]
+    said = "".join(res.stderr for res in done)
+    assert said.count("resuming at step 2 of 6") >= 1
+    records = metrics(out)
+    assert [r["step"] for r in records] == list(range(6))
+    assert [r["reward_mean"] for r in records] == [r["reward_mean"] for r in clean_faulty_run]
+
+
+def test_a_failure_on_another_node_is_every_ranks_last_line(tmp_path):
+    (tmp_path / "faulty.py").write_text(FAULTY)
+    args = ["--task", "faulty:make", "--output-dir", str(tmp_path / "run"), "--steps", "5", *SMALL]
+    done = nodes(*args, "--on-sample-error", "raise", cwd=tmp_path, FAULT="raise", MAX_RESTARTS="0")
+    assert all(res.returncode != 0 for res in done)
+    for res in done:  # each node's worker names rank 1's error
+        assert "train_grpo.py: error: rank 1 failed: " in res.stderr, res.stderr[-3000:]
+        assert "ValueError: the environment broke" in res.stderr
 
 
 def _library_run_twice(rank, world_size, tiny_path, out):

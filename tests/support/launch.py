@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from support.dist import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "launch" / "train_grpo.py"
 # a few small steps: every test run stays well under a minute on 2 cores
@@ -75,6 +77,39 @@ def torchrun(
         kill_all(proc)
         raise
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def nodes(
+    *args: str, count: int = 2, timeout: float = 300, cwd: Path = ROOT, **extra_env: str
+) -> list[subprocess.CompletedProcess]:
+    """`launch/multinode.sh ARGS` started `count` times, one process a "node" (a c10d rendezvous on
+    127.0.0.1), as a multi-node job starts it on each node; every one run to completion. On timeout
+    every launcher and worker is killed."""
+    port = free_port()
+    procs = []
+    for rank in range(count):
+        node = dict(NNODES=str(count), NODE_RANK=str(rank), NPROC_PER_NODE="1", MASTER_ADDR="127.0.0.1")
+        node.update(MASTER_PORT=str(port), LOCAL_ADDR="127.0.0.1", RDZV_ID=f"test-{port}")
+        procs.append(
+            subprocess.Popen(
+                ["bash", str(ROOT / "launch" / "multinode.sh"), *args],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env(**node, **extra_env),
+                cwd=cwd,
+            )
+        )
+    done = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=timeout)
+            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            kill_all(proc)
+        raise
+    return done
 
 
 def python(*args: str, timeout: float = 120, **extra_env: str) -> subprocess.CompletedProcess:
