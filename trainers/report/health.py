@@ -80,6 +80,15 @@ def _failed(v: float, _: int) -> str:
     )
 
 
+def _no_success(v: float, _: int) -> str:
+    return (
+        f"no sample reached the task's goal (success_rate {v:.0%}): what is learnt comes only from "
+        "differences in partial rewards; make the task easier (its own settings, e.g. --task-arg "
+        "max_steps=... or a smaller map), sample more (--num-generations, --temperature), or start "
+        "from a stronger model (--model)"
+    )
+
+
 RULES = (
     Rule(name="zero_std_groups", key="frac_reward_zero_std", threshold=0.9, message=_zero_std),
     Rule(name="truncated", key="truncated_fraction", threshold=0.5, message=_truncated),
@@ -87,6 +96,7 @@ RULES = (
     Rule(name="clipped_replies", key="completions/clipped_ratio", threshold=0.9, message=_clipped),
     Rule(name="no_tool_calls", key="tool/calls_per_sample", threshold=0.0, below=True, message=_no_tools),
     Rule(name="failed_samples", key="failed_samples", threshold=1, message=_failed),
+    Rule(name="no_success", key="success_rate", threshold=0.0, below=True, message=_no_success),
 )
 
 

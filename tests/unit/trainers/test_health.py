@@ -50,6 +50,7 @@ def test_a_condition_that_clears_starts_over_and_warns_again():
         ),
         ("tool/calls_per_sample", 0.0, 0.25, "no_tool_calls", ["calls no tool", "--tools"]),
         ("failed_samples", 2, 0, "failed_samples", ["2 samples of the step failed", "--on-sample-error"]),
+        ("success_rate", 0.0, 0.05, "no_success", ["no sample reached the task's goal", "--task-arg"]),
     ],
 )
 def test_each_rule_its_threshold_and_its_cause(key, bad, good, rule, names):
@@ -62,7 +63,8 @@ def test_each_rule_its_threshold_and_its_cause(key, bad, good, rule, names):
 
 
 def test_a_figure_the_step_does_not_have_never_warns():
-    # no tools offered: no tool/calls_per_sample, so no "calls no tool" warning however long
+    # no tools offered: no tool/calls_per_sample, so no "calls no tool" warning however long (nor
+    # a no-success one from a task that does not judge success)
     out = _steps(HealthCheck(max_new_tokens=6, patience=1), [{"reward_mean": 0.0}] * 4)
     assert all(not w for _, w in out)
     assert set(out[0][0]) == {
@@ -72,6 +74,7 @@ def test_a_figure_the_step_does_not_have_never_warns():
         "health/clipped_replies",
         "health/no_tool_calls",
         "health/failed_samples",
+        "health/no_success",
     }
     assert not any(out[0][0].values())
 
