@@ -195,16 +195,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_megatron(tensor_parallel_size: int, *, timeout_s: float = 1800.0) -> None:
-    """megatron-core's parallel_state for TP x DP over the world (TP must divide it); its groups
-    time out after `timeout_s` (megatron counts whole minutes: rounded up)."""
+def init_megatron(tensor_parallel_size: int, *, pp: int = 1, timeout_s: float = 1800.0) -> None:
+    """megatron-core's parallel_state for TP x PP x DP over the world (TP x PP must divide it);
+    its groups time out after `timeout_s` (megatron counts whole minutes: rounded up)."""
     from megatron.core import parallel_state as ps
 
-    if world_size() % tensor_parallel_size:
-        raise ValueError(f"TP size {tensor_parallel_size} does not divide the world size {world_size()}")
+    if world_size() % (tensor_parallel_size * pp):
+        raise ValueError(
+            f"TP size {tensor_parallel_size} x PP size {pp} does not divide the world size {world_size()}"
+        )
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
             tensor_model_parallel_size=tensor_parallel_size,
+            pipeline_model_parallel_size=pp,
             distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
         )
 

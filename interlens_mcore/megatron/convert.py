@@ -49,7 +49,7 @@ def param_map(layout: ModelLayout, megatron_names: set[str]) -> list[ParamRule]:
     `megatron_names` picks the norm names: Transformer Engine's spec fuses the pre-attention
     and pre-MLP norms into linear_qkv / linear_fc1 (`layer_norm_weight`).
     """
-    te_norms = "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in megatron_names
+    te_norms = any(n.endswith(".self_attention.linear_qkv.layer_norm_weight") for n in megatron_names)
     rules = [ParamRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", "rows")]
     for i in range(layout.num_layers):
         m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
@@ -156,9 +156,31 @@ def _hf_reader(folder: Path) -> Callable[[str], torch.Tensor]:
     return read
 
 
+def stage_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The model's parameters under the names of the whole (PP=1) model: a pipeline stage numbers
+    its layers from 0, megatron's `layer_number` (from 1) gives their place in the whole."""
+    layers = getattr(getattr(model, "decoder", None), "layers", None)
+    offset = layers[0].layer_number - 1 if layers is not None and len(layers) else 0
+    out = {}
+    for name, p in model.named_parameters():
+        if offset and name.startswith("decoder.layers."):
+            index, rest = name[len("decoder.layers.") :].split(".", 1)
+            name = f"decoder.layers.{int(index) + offset}.{rest}"
+        out[name] = p
+    return out
+
+
 def _checked_rules(model: torch.nn.Module, layout: ModelLayout) -> tuple[list[ParamRule], dict]:
-    params = dict(model.named_parameters())
+    from .pipeline import pipeline_size
+
+    params = stage_parameters(model)
     rules = param_map(layout, set(params))
+    if pipeline_size() > 1:
+        # a stage holds some of the whole model's parameters; with tied embeddings the last
+        # stage's output layer is its own copy of the embedding
+        rules = [r for r in rules if r.megatron in params]
+        if layout.tied_embeddings and "output_layer.weight" in params:
+            rules.append(ParamRule("output_layer.weight", ("model.embed_tokens.weight",), "vocab", "rows"))
     unknown = set(params) - {r.megatron for r in rules}
     missing = {r.megatron for r in rules} - set(params)
     if unknown or missing:

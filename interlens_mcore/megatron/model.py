@@ -174,10 +174,25 @@ def build_model(
         raise ValueError(f"layout is for TP size {layout.tp_size} but megatron's TP group has {tp} ranks")
     if spec is None:
         spec = choose_spec(cuda=torch.cuda.is_available())
+    from . import pipeline
+
+    pp = pipeline.pipeline_size()
+    config_overrides = {**pipeline.config_overrides(pp, params_dtype), **config_overrides}
     config = transformer_config(
         layout, params_dtype=params_dtype, perform_initialization=init_weights, **config_overrides
     )
-    model = GPTModel(
+    if layout.num_layers % pp:
+        raise ValueError(f"PP size {pp} does not divide the model's {layout.num_layers} layers")
+    first, last = pipeline.stage()
+    with pipeline.building():
+        model = _gpt_model(config, layout, spec, pre_process=first, post_process=last)
+    if not init_weights:
+        mark_tp_slices(model)
+    return model
+
+
+def _gpt_model(config: TransformerConfig, layout: ModelLayout, spec: SpecKind, **stage: bool) -> GPTModel:
+    return GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(spec, rotary_base=layout.rope_base),
         vocab_size=layout.padded_vocab_size,
@@ -187,10 +202,8 @@ def build_model(
         # "sdpa_cpu" rotates inside its core attention; the others use megatron's RoPE
         position_embedding_type="none" if spec == "sdpa_cpu" else "rope",
         rotary_base=layout.rope_base,
+        **stage,  # pre_process / post_process: this rank's pipeline stage
     )
-    if not init_weights:
-        mark_tp_slices(model)
-    return model
 
 
 def mark_tp_slices(model: torch.nn.Module) -> None:

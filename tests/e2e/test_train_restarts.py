@@ -9,7 +9,6 @@ import sys
 import time
 
 import pytest
-
 from support.dist import run_ranks
 from support.launch import ROOT, SMALL, TRAIN, env, metrics, nodes, torchrun
 
@@ -136,7 +135,9 @@ def test_two_nodes_run_the_job_and_restart_a_lost_nodes_worker(tmp_path, clean_f
     # the first attempt, both agents restart their workers, and the run resumes from step 2
     (tmp_path / "faulty.py").write_text(FAULTY)
     out = tmp_path / "run"
-    done = nodes(*FAULTY_RUN, "--output-dir", str(out), cwd=tmp_path, timeout=400, FAULT="kill", MAX_RESTARTS="1")
+    done = nodes(
+        *FAULTY_RUN, "--output-dir", str(out), cwd=tmp_path, timeout=400, FAULT="kill", MAX_RESTARTS="1"
+    )
     for res in done:
         assert res.returncode == 0, res.stderr[-3000:]
     said = "".join(res.stderr for res in done)

@@ -1,0 +1,140 @@
+"""Pipeline parallelism through megatron-core's own schedule on gloo ranks: the tiny model split in
+two stages (one layer each, the tied embedding on both ends) gives the logprobs, the GRPO loss
+and every gradient of the whole model on one rank, and so does TP=2 x PP=2 on four ranks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from support.dist import run_ranks
+
+# three packed micro-batches of different lengths (megatron sends each activation's shape first)
+SAMPLES = [
+    [[1, 5, 9, 13, 17, 21, 25, 29, 33], [2, 6, 10, 14, 18]],
+    [[3, 7, 11, 15, 19, 23, 27]],
+    [[4, 8, 12, 16], [40, 41, 42, 43, 44, 45], [50, 51, 52]],
+]
+
+
+def _batches():
+    from interlens_mcore.grpo.batch import build_batch
+    from interlens_mcore.types import Trajectory
+
+    out = []
+    for rows in SAMPLES:
+        trajs = [
+            Trajectory(token_ids=ids, loss_mask=[0] * 2 + [1] * (len(ids) - 2), rollout_logprobs=None)
+            for ids in rows
+        ]
+        out.append(build_batch(trajs, [1.0 - 0.7 * k for k in range(len(rows))]))
+    return out
+
+
+def _loss_of(batches):
+    from interlens_mcore.grpo.loss.config import LossConfig
+    from interlens_mcore.grpo.loss.objective import batch_loss
+
+    cfg = LossConfig(beta=0.0)
+    tokens = float(sum(int(b.loss_mask.sum()) for b in batches))
+    sequences = float(sum(len(b.seq_lens) for b in batches))
+
+    def loss_of(i, lp):
+        return batch_loss(lp, batches[i], cfg, num_tokens=tokens, num_sequences=sequences)[0]
+
+    return loss_of
+
+
+def _run(rank, world_size, tiny_path, tp, pp, schedule):
+    from interlens_mcore import distributed
+    from interlens_mcore.megatron import build_model, forward_logits, load_layout, pipeline
+    from interlens_mcore.megatron.convert import stage_parameters
+    from interlens_mcore.megatron.weights import load_weights
+
+    distributed.init_megatron(tp, pp=pp)
+    layout = load_layout(tiny_path)
+    model = build_model(layout, init_weights=False)
+    load_weights(model, layout, tiny_path)
+    batches = _batches()
+    loss_of = _loss_of(batches)
+    forward = pipeline.run(model, layout, batches)  # forward only: no graph, no gradient
+    assert all(p.grad is None for p in model.parameters())
+    if schedule:
+        trained = pipeline.run(model, layout, batches, loss_of=loss_of)
+        loss = float(sum(loss_of(i, lp) for i, lp in enumerate(trained)).detach())
+    else:  # the plain forward of PP=1, one micro-batch after the other
+        from interlens_mcore.grpo.logprobs import token_logprobs
+
+        total = 0.0
+        for i, b in enumerate(batches):
+            logits = forward_logits(model, layout, b.input_ids, b.cu_seqlens)
+            out = loss_of(i, token_logprobs(logits, b.targets[0])[None])
+            out.backward()
+            total += float(out.detach())
+        loss, trained = total, forward
+    tp_rank = distributed.rank(distributed.megatron_tp_group())
+    # numpy arrays travel by value (tensors would go through shared memory the rank unlinks)
+    grads = {n: p.grad.numpy().copy() for n, p in stage_parameters(model).items()}
+    lps = {
+        "forward": [lp.numpy().copy() for lp in forward],
+        "trained": [lp.detach().numpy().copy() for lp in trained],
+    }
+    return {**lps, "loss": loss, "grads": grads, "tp_rank": tp_rank}
+
+
+@pytest.fixture(scope="module")
+def whole(tiny_path):
+    """The whole model on one rank, without megatron's schedule."""
+    return run_ranks(_run, 1, str(tiny_path), 1, 1, False)[0]
+
+
+def test_pp1_through_the_schedule_is_the_plain_forward(tiny_path, whole):
+    [mine] = run_ranks(_run, 1, str(tiny_path), 1, 1, True)
+    for a, b in zip(mine["forward"], whole["forward"]):
+        assert np.array_equal(a, b)
+    assert mine["loss"] == pytest.approx(whole["loss"], abs=1e-7)
+    for name, g in whole["grads"].items():
+        assert np.allclose(mine["grads"][name], g, rtol=0, atol=1e-7), name
+
+
+def test_two_stages_give_the_whole_models_logprobs_loss_and_gradients(tiny_path, whole):
+    first, last = run_ranks(_run, 2, str(tiny_path), 1, 2, True)
+    for got in (first, last):  # every stage gets the last stage's logprobs
+        for a, b in zip(got["forward"], whole["forward"]):
+            assert np.allclose(a, b, rtol=0, atol=1e-6)
+        for a, b in zip(got["trained"], whole["forward"]):
+            assert np.allclose(a, b, rtol=0, atol=1e-6)
+        assert got["loss"] == pytest.approx(whole["loss"], abs=1e-6)
+    assert "embedding.word_embeddings.weight" in first["grads"] and "output_layer.weight" in last["grads"]
+    assert "decoder.layers.0.mlp.linear_fc2.weight" in first["grads"]
+    assert "decoder.layers.1.mlp.linear_fc2.weight" in last["grads"]  # its global name
+    assert not set(first["grads"]) & set(last["grads"])
+    stages = {**first["grads"], **last["grads"]}
+    tied = stages.pop("output_layer.weight")
+    assert set(stages) == set(whole["grads"])
+    for name, g in whole["grads"].items():
+        assert np.allclose(stages[name], g, rtol=0, atol=1e-6), name
+    # the tied weight's two copies both carry the whole gradient (embedding + output projection)
+    assert np.allclose(tied, whole["grads"]["embedding.word_embeddings.weight"], rtol=0, atol=1e-6)
+
+
+def test_tp2_by_pp2_on_four_ranks_gives_the_same(tiny_path, whole):
+    from interlens_mcore.megatron import load_layout
+    from interlens_mcore.megatron.convert import _join, param_map
+
+    ranks = run_ranks(_run, 4, str(tiny_path), 2, 2, True, timeout=240)
+    for got in ranks:
+        for a, b in zip(got["trained"], whole["forward"]):
+            assert np.allclose(a, b, rtol=0, atol=1e-5)
+        assert got["loss"] == pytest.approx(whole["loss"], abs=1e-5)
+    # megatron's rank order: TP fastest, then PP; join each parameter's two TP shards
+    layout = load_layout(tiny_path, tp_size=2)
+    rules = {r.megatron: r for r in param_map(layout, set(whole["grads"]))}
+    for stage in (ranks[0:2], ranks[2:4]):
+        shards = sorted(stage, key=lambda r: r["tp_rank"])
+        for name in shards[0]["grads"]:
+            if name == "output_layer.weight":
+                continue
+            joined = _join(rules[name], [torch.from_numpy(s["grads"][name]) for s in shards]).numpy()
+            want = whole["grads"][name]
+            assert np.allclose(joined, want, rtol=0, atol=1e-5), name
