@@ -26,6 +26,7 @@ import torch
 
 from .. import distributed
 from .model import ModelLayout
+from .stages import pipeline_size
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
 # the files of a sharded megatron checkpoint folder (checkpoint.py) that never belong in an HF one
@@ -171,8 +172,6 @@ def stage_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
 
 
 def _checked_rules(model: torch.nn.Module, layout: ModelLayout) -> tuple[list[ParamRule], dict]:
-    from .pipeline import pipeline_size
-
     params = stage_parameters(model)
     rules = param_map(layout, set(params))
     if pipeline_size() > 1:

@@ -25,6 +25,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from .. import distributed
+from . import stages
 from .spec import SpecKind, choose_spec, layer_spec, packed_positions
 
 FAMILIES = ("llama", "qwen2")
@@ -174,17 +175,15 @@ def build_model(
         raise ValueError(f"layout is for TP size {layout.tp_size} but megatron's TP group has {tp} ranks")
     if spec is None:
         spec = choose_spec(cuda=torch.cuda.is_available())
-    from . import pipeline
-
-    pp = pipeline.pipeline_size()
-    config_overrides = {**pipeline.config_overrides(pp, params_dtype), **config_overrides}
+    pp = stages.pipeline_size()
+    config_overrides = {**stages.config_overrides(pp, params_dtype), **config_overrides}
     config = transformer_config(
         layout, params_dtype=params_dtype, perform_initialization=init_weights, **config_overrides
     )
     if layout.num_layers % pp:
         raise ValueError(f"PP size {pp} does not divide the model's {layout.num_layers} layers")
-    first, last = pipeline.stage()
-    with pipeline.building():
+    first, last = stages.stage()
+    with stages.building():
         model = _gpt_model(config, layout, spec, pre_process=first, post_process=last)
     if not init_weights:
         mark_tp_slices(model)

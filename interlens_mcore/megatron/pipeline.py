@@ -22,7 +22,7 @@ a call, `_on_cpu` gives those two modules a `torch` whose `cuda` is the CPU (the
 `torch.cuda` is untouched). Everything else is megatron's: the 1F1B order, the shape exchange,
 batched isend/irecv (over gloo here). Model construction needs one more stand-in on CPU: with
 tied embeddings megatron moves the last stage's copy to CUDA before summing it with the
-first stage's (`_tensor_cuda_is_identity`).
+first stage's (`stages.building`).
 
 Example (every rank of the pipeline group, same batches)::
 
@@ -44,36 +44,9 @@ from ..grpo.batch import TrainingBatch
 from ..grpo.logprobs import token_logprobs, vocab_parallel_token_logprobs
 from .model import ModelLayout, compute_autocast, mask_padded_vocab, packed_seq_params, vocab_start
 from .spec import packed_positions
+from .stages import pipeline_size, stage
 
 LossOf = Callable[[int, torch.Tensor], torch.Tensor]  # (micro-batch index, [1, T] logprobs) -> loss
-
-
-def pipeline_size() -> int:
-    from megatron.core import parallel_state as ps
-
-    return ps.get_pipeline_model_parallel_world_size()
-
-
-def stage() -> tuple[bool, bool]:
-    """(first stage, last stage) of this rank; both at PP=1."""
-    from megatron.core import parallel_state as ps
-
-    return ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-
-
-def config_overrides(pp: int, dtype: torch.dtype) -> dict[str, object]:
-    """The TransformerConfig fields megatron's schedules need to run a PP-`pp` model's stage."""
-    # the loss arrives globally normalised: the schedules must not average it (at any PP size)
-    out: dict[str, object] = {"calculate_per_token_loss": True}
-    if pp > 1:
-        out.update(
-            pipeline_model_parallel_size=pp,
-            pipeline_dtype=dtype,  # of the activations sent between stages
-            variable_seq_lengths=True,  # packed micro-batches differ in length
-            # megatron 0.16.1 accepts variable_seq_lengths only with this dispatcher, MoE or not
-            moe_token_dispatcher_type="alltoall",
-        )
-    return out
 
 
 class _CpuTorch(types.ModuleType):
@@ -113,26 +86,6 @@ def _on_cpu() -> Iterator[None]:
         yield
     finally:
         p2p_communication.torch, schedules.torch = saved
-
-
-@contextlib.contextmanager
-def _tensor_cuda_is_identity() -> Iterator[None]:
-    """On a machine without CUDA, `Tensor.cuda()` returns the tensor itself for the block (where it
-    would raise): megatron's tied-embedding set-up calls it before an all-reduce gloo can do."""
-    if torch.cuda.is_available():
-        yield
-        return
-    saved = torch.Tensor.cuda
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        torch.Tensor.cuda = saved  # type: ignore[method-assign]
-
-
-def building() -> contextlib.AbstractContextManager:
-    """The context `build_model` builds a stage in."""
-    return _tensor_cuda_is_identity() if pipeline_size() > 1 else contextlib.nullcontext()
 
 
 def run(
