@@ -258,9 +258,6 @@ class GymEnvironment(Environment):
         return self.total
 
 
-LONG_EPISODE = 16  # replies: longer episodes get fewer groups a step by default
-
-
 class GymSource(TaskSource):
     """Episodes of one gymnasium toy-text environment."""
 
@@ -292,15 +289,10 @@ class GymSource(TaskSource):
         return self._draw(n, seed, evaluation=True)
 
     def option_defaults(self) -> dict[str, object]:
-        out: dict[str, object] = {
+        return {
             **ONE_CONVERSATION_A_MICRO_BATCH,
-            "max_new_tokens": 16,  # `<action>south</action>` and a word or two
-        }
-        if (self.options.max_steps or game_of(self.env_id).max_steps) > LONG_EPISODE:
-            # an episode of Taxi or CliffWalking (24 replies, the map shown after each) reaches
-            # about 3,000 tokens: 4 groups instead of 16 keep a step's update within a CPU's minutes
-            out["batch_size"] = 4
-        return out
+            "max_new_tokens": 16,
+        }  # `<action>south</action>` and a word or two
 
     def describe(self) -> dict[str, object]:
         o = self.options

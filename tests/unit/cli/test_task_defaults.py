@@ -29,15 +29,6 @@ def test_a_task_family_brings_its_model_and_lengths_unless_the_user_sets_them():
     assert plain.rollout.micro_batch_size == PRETRAINED_ON_CPU["micro_batch_size"] == 4
 
 
-def test_long_gym_episodes_bring_fewer_groups_a_step():
-    taxi = _args("--task", "gym:Taxi-v4")  # 24 replies an episode
-    assert (taxi.trainer.batch_size, taxi.origins["batch_size"]) == (4, "task gym:Taxi-v4")
-    assert _args("--task", "gym:Taxi-v4", "--batch-size", "8").trainer.batch_size == 8
-    short = _args("--task", "gym:Taxi-v4", "--task-arg", "max_steps=8")  # the user's shorter episodes
-    assert short.trainer.batch_size == PRETRAINED_ON_CPU["batch_size"]
-    assert _args("--task", "gym:FrozenLake-v1").trainer.batch_size == PRETRAINED_ON_CPU["batch_size"]
-
-
 def test_yaml_sits_between_the_task_and_the_command_line(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text("lr: 0.01\ntemperature: 0.9\n")
