@@ -227,6 +227,7 @@ class GRPOTrainer:
                     state.save_on_stop(self, start)
             elif cfg.eval_every:  # the weights the run ends with
                 with distributed.stage(f"step {self.step}"):
+                    report.note(self.evaluating())
                     report.log({"step": self.step, **self.evaluation()})
         except BaseException:
             report.close(steps=self.step, failed=True)  # quickly: the caller names the cause
@@ -241,7 +242,10 @@ class GRPOTrainer:
     def step_and_log(self, report: Reporter) -> dict:
         """One step of the loop: evaluation when due, the step, its record, a checkpoint when due."""
         cfg = self.config
-        evaluated = self.evaluation() if cfg.eval_every and self.step % cfg.eval_every == 0 else {}
+        evaluated = {}
+        if cfg.eval_every and self.step % cfg.eval_every == 0:
+            report.note(self.evaluating())  # the held-out rows may take longer than a step
+            evaluated = self.evaluation()
         rec, rollout = self.train_step()
         rec = record.json_ready({**rec, **evaluated})
         health, warnings = self.health.check(rec)
@@ -457,6 +461,10 @@ class GRPOTrainer:
         rollout = self.together("evaluation", self.scored_evaluation, rows)
         with distributed.stage("evaluation figures"):
             return record.evaluation_figures(rollout)
+
+    def evaluating(self) -> str:
+        """What the progress bar says while the held-out rows are played."""
+        return f"evaluating {self.config.eval_size * distributed.world_size()} held-out rows"
 
     def eval_rows(self) -> list[object]:
         """This rank's held-out rows (local)."""

@@ -47,8 +47,11 @@ PRETRAINED_ON_CPU: dict[str, object] = {
 
 # a game or an episode is one long conversation a trajectory (a textarena self-play game is two of
 # them, up to thousands of tokens each): one a micro-batch. 4 of them took a rank of SmolLM2 past
-# 7 GB and a 2-rank ConnectFour run on a 23 GB machine was killed for memory at its third step
-ONE_CONVERSATION_A_MICRO_BATCH: dict[str, object] = {**PRETRAINED_ON_CPU, "micro_batch_size": 1}
+# 7 GB and a 2-rank ConnectFour run on a 23 GB machine was killed for memory at its third step.
+# Held-out episodes cost as much as training ones: with the default 128 a rank, a 2-rank Taxi run
+# began with 256 episodes of up to 24 replies, 16 times a training step's 16, and had not finished
+# them after 7 minutes; 16 a rank is two steps' worth
+LONG_CONVERSATIONS: dict[str, object] = {**PRETRAINED_ON_CPU, "micro_batch_size": 1, "eval_size": 16}
 
 
 def make_source(spec: str, **task_args: object) -> TaskSource:

@@ -31,7 +31,7 @@ from typing import Any
 from ..rollout.conversation import Conversation, Environment, Participant, Policy
 from ..types import Message
 from .base import TaskSource
-from .families import ONE_CONVERSATION_A_MICRO_BATCH
+from .families import LONG_CONVERSATIONS
 from .split import check_fraction, derive_seed, held_out
 
 
@@ -290,7 +290,7 @@ class GymSource(TaskSource):
 
     def option_defaults(self) -> dict[str, object]:
         return {
-            **ONE_CONVERSATION_A_MICRO_BATCH,
+            **LONG_CONVERSATIONS,
             "max_new_tokens": 16,
         }  # `<action>south</action>` and a word or two
 

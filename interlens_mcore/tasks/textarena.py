@@ -42,7 +42,7 @@ from typing import Any, Literal
 from ..rollout.conversation import Conversation, Environment, Participant, Policy
 from ..types import Message
 from .base import TaskSource
-from .families import ONE_CONVERSATION_A_MICRO_BATCH
+from .families import LONG_CONVERSATIONS
 from .split import check_fraction, derive_seed, held_out
 
 SEATS = ("player_0", "player_1")
@@ -284,7 +284,7 @@ class TextArenaSource(TaskSource):
 
     def option_defaults(self) -> dict[str, object]:
         return {
-            **ONE_CONVERSATION_A_MICRO_BATCH,
+            **LONG_CONVERSATIONS,
             "max_new_tokens": 16,
         }  # a move (`[col 4]`) and a word or two
 

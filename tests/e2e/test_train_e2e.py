@@ -35,6 +35,8 @@ def test_megatron_dp2_micro_batches(tmp_path):
     rows = _check_run(out, 3)
     # the model on rank 0 generates with its updated weights: train and rollout policies agree
     assert all(r["is/weight_mean"] == pytest.approx(1.0, abs=1e-3) for r in rows)
+    # the progress bar says when the held-out rows are played (SMALL: 4 a rank), before and after
+    assert res.stderr.count("evaluating 8 held-out rows") >= 2, res.stderr[-3000:]
 
 
 def test_megatron_bf16_autocast(tmp_path):

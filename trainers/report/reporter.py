@@ -148,6 +148,11 @@ class Reporter:
             self.bar.set_postfix({name: fmt(record.get(k), d) for name, (k, d) in shown.items()})
             self.bar.update(1)
 
+    def note(self, text: str) -> None:
+        """What the run is doing now, beside the progress bar until the step's record replaces it."""
+        if self.bar is not None:  # set whenever enabled
+            self.bar.set_postfix_str(text)
+
     def warn(self, line: str) -> None:
         """One line on stderr, above the progress bar (a health warning)."""
         if self.bar is not None:  # set whenever enabled

@@ -23,6 +23,7 @@ def test_a_task_family_brings_its_model_and_lengths_unless_the_user_sets_them():
     assert (args.backend.model, args.trainer.lr, args.rollout.temperature) == ("smollm2", 1e-5, 0.7)
     assert args.origins["model"] == "task gym:FrozenLake-v1"
     assert args.rollout.micro_batch_size == 1  # an episode a micro-batch: its conversation is long
+    assert args.trainer.eval_size == 16  # held-out episodes are as long
     plain = _args("--task", "reasoning_gym:basic_arithmetic")
     assert plain.rollout.max_new_tokens == 48  # room for <answer>...</answer>, where 6 holds none
     assert plain.trainer.batch_size == PRETRAINED_ON_CPU["batch_size"]
