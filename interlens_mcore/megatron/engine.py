@@ -22,6 +22,12 @@ store is cleared whenever the weights change (the parameters' in-place version c
 storages moved, or `clear()`), and checked by content, so a reused key is always the key the
 full prefill would compute, up to float rounding of a shorter matmul.
 
+Under pipeline parallelism (`init_megatron(tp, pp=...)`, the rollout group the model-parallel
+group) each forward goes stage to stage (`pipeline.forward_stages`: the activations sent and
+received, their shape known from the fed tokens); the last stage samples over its TP group and
+broadcasts the ids and logprobs to the other stages, so every stage's cache advances with the
+same tokens and PP=2 samples what one rank samples for the same seeds.
+
 With megatron's own attention and rotary embedding (the GPU specs) there is no cache to
 attach (nor kept prefixes), and each step recomputes the packed batch of active rows from scratch: O(sum
 of lengths) forward work per token instead of O(rows), acceptable for short turns; megatron's
@@ -43,6 +49,8 @@ from ..engines.prefix_cache import ReuseStats
 from ..engines.sampler import BatchSampling, Filters, VocabShard, sample
 from .kv_cache import KVCache, PrefixStore, attached, supports_kv_cache
 from .model import ModelLayout, forward_logits, vocab_start
+from .pipeline import forward_stages, sampled_from_last_stage
+from .stages import pipeline_size
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -184,8 +192,9 @@ class MegatronEngine:
 
     def _forward_last(
         self, seqs: list[list[int]], cache: KVCache | None, rows: list[int] | None = None
-    ) -> torch.Tensor:
-        """Logits shard [B, V_local] at the last token of each sequence (packed forwards).
+    ) -> torch.Tensor | None:
+        """Logits shard [B, V_local] at the last token of each sequence (packed forwards); under
+        pipeline parallelism on the last stage only (None on the others).
 
         A forward's logits cover every token it feeds ([T, V_local] in float32), so a long
         prefill of many conversations is fed in chunks of whole sequences of at most
@@ -208,22 +217,24 @@ class MegatronEngine:
                 assert rows is not None, "the cache rows the sequences feed"
                 cache.select([rows[i] for i in chunk])
             out.append(self._forward_chunk([seqs[i] for i in chunk], cache))
-        return torch.cat(out)
+        return None if any(x is None for x in out) else torch.cat([x for x in out if x is not None])
 
-    def _forward_chunk(self, seqs: list[list[int]], cache: KVCache | None) -> torch.Tensor:
+    def _forward_chunk(self, seqs: list[list[int]], cache: KVCache | None) -> torch.Tensor | None:
         lengths = torch.tensor([len(s) for s in seqs])
         cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
         cu[1:] = lengths.cumsum(0)
         ids = torch.tensor([[t for s in seqs for t in s]], dtype=torch.long)  # [1, T]
         t0 = time.perf_counter()
-        logits = forward_logits(
-            self.model, self.layout, ids, cu, compute_dtype=self.compute_dtype
-        )  # [T, V_local]
+        logits: torch.Tensor | None
+        if pipeline_size() > 1:  # the last stage's logits; None on the others
+            logits = forward_stages(self.model, self.layout, ids, cu, compute_dtype=self.compute_dtype)
+        else:
+            logits = forward_logits(self.model, self.layout, ids, cu, compute_dtype=self.compute_dtype)
         if cache is not None:
             cache.advance(cu)
         self.stats.forward_s += time.perf_counter() - t0
         self.stats.forwards += 1
-        return logits[cu[1:].long() - 1].float().cpu()
+        return logits[cu[1:].long() - 1].float().cpu() if logits is not None else None
 
     def _generate(
         self, requests: list[GenerationRequest], caps: list[int], cache: KVCache | None
@@ -249,11 +260,16 @@ class MegatronEngine:
                 sampler = BatchSampling(
                     requests,
                     vocab_start=start,
-                    vocab_width=logits.shape[-1],
+                    vocab_width=self.layout.vocab_per_rank,
                     tokenizer=self.tokenizer,
                     owner=f"engine {self.name!r}",
                 )
-            tokens, logp = sampler.sample(logits, torch.tensor(active), step, shard)
+            tokens = logp = None
+            if logits is not None:  # the last pipeline stage samples (over its TP group)
+                tokens, logp = sampler.sample(logits, torch.tensor(active), step, shard)
+            if pipeline_size() > 1:  # and every stage feeds the same ids next
+                tokens, logp = sampled_from_last_stage(tokens, logp, len(active))
+            assert tokens is not None and logp is not None
             still = []
             for i, tok, lp in zip(active, tokens.tolist(), logp.tolist(), strict=True):
                 out_ids[i].append(tok)

@@ -187,3 +187,54 @@ def _from_last_stage(
         flat, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
     )
     return [part[None] for part in torch.split(flat, sizes)]
+
+
+def forward_stages(
+    model: torch.nn.Module,
+    layout: ModelLayout,
+    input_ids: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    compute_dtype: torch.dtype | None = None,
+) -> torch.Tensor | None:
+    """One packed forward through the pipeline outside megatron's schedules (a generation step:
+    one micro-batch, no backward): [T, 1, H] activations go stage to stage by send / receive,
+    their shape known to every stage from `input_ids`. The last stage's logits shard
+    [T, V_pad / tp] (padded ids -inf), None on the other stages. Collective over the pipeline
+    group; every rank passes the same tokens."""
+    from megatron.core import parallel_state as ps
+
+    first, last = stage()
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype  # what a stage sends and the next one receives
+    group = ps.get_pipeline_model_parallel_group()
+    if not first:
+        hidden = torch.empty(input_ids.shape[1], 1, layout.hidden_size, dtype=dtype, device=device)
+        torch.distributed.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank(), group=group)
+        model.set_input_tensor(hidden)  # type: ignore[operator]
+    params = packed_seq_params(cu_seqlens.to(device))
+    ids = input_ids.to(device) if first else None
+    positions = packed_positions(cu_seqlens).to(device)[None] if first else None
+    with compute_autocast(device.type, compute_dtype):
+        out = model(input_ids=ids, position_ids=positions, attention_mask=None, packed_seq_params=params)
+    if not last:
+        torch.distributed.send(
+            out.to(dtype).contiguous(), dst=ps.get_pipeline_model_parallel_next_rank(), group=group
+        )
+        return None
+    logits = out[0].float() if compute_dtype is not None else out[0]
+    return mask_padded_vocab(logits, layout)
+
+
+def sampled_from_last_stage(
+    tokens: torch.Tensor | None, logprobs: torch.Tensor | None, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last stage's `n` sampled ids and their logprobs on every rank of the pipeline group."""
+    from megatron.core import parallel_state as ps
+
+    src, group = ps.get_pipeline_model_parallel_last_rank(), ps.get_pipeline_model_parallel_group()
+    ids = tokens.to(torch.int64).cpu() if tokens is not None else torch.empty(n, dtype=torch.int64)
+    lps = logprobs.float().cpu() if logprobs is not None else torch.empty(n)
+    torch.distributed.broadcast(ids, src=src, group=group)
+    torch.distributed.broadcast(lps, src=src, group=group)
+    return ids, lps

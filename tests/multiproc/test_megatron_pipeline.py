@@ -138,3 +138,65 @@ def test_tp2_by_pp2_on_four_ranks_gives_the_same(tiny_path, whole):
             joined = _join(rules[name], [torch.from_numpy(s["grads"][name]) for s in shards]).numpy()
             want = whole["grads"][name]
             assert np.allclose(joined, want, rtol=0, atol=1e-5), name
+
+
+def _generate(rank, world_size, tiny_path, tp, pp):
+    from megatron.core import parallel_state as ps
+
+    from interlens_mcore import distributed
+    from interlens_mcore.engines.base import GenerationRequest
+    from interlens_mcore.megatron import build_model, load_layout
+    from interlens_mcore.megatron.engine import MegatronEngine
+    from interlens_mcore.megatron.weights import load_weights
+
+    distributed.init_megatron(tp, pp=pp)
+    layout = load_layout(tiny_path)
+    model = build_model(layout, init_weights=False)
+    load_weights(model, layout, tiny_path)
+    engine = MegatronEngine(model, layout, group=ps.get_model_parallel_group())
+    rows = [
+        ([5, 9, 33, 2, 100, 7], 1.0, 11, 12),
+        ([1, 2, 3], 0.7, 12, 6),
+        ([300, 301], 0.0, 0, 8),
+        ([44] * 9, 1.3, 13, 1),
+    ]
+    reqs = [
+        GenerationRequest(
+            prompt_ids=p, temperature=t, seed=s, max_new_tokens=n, stop_token_ids=(4, 8), tag=f"r{i}"
+        )
+        for i, (p, t, s, n) in enumerate(rows)
+    ]
+    # every rank of the model-parallel group brings the same rows here; each keeps its own share
+    mine = reqs if distributed.rank(ps.get_model_parallel_group()) == 0 else []
+    out = []
+    for turn in range(2):  # the second turn extends the first: the kept keys/values of each stage
+        gens = engine.generate(mine)
+        out.append([(g.token_ids, [round(x, 5) for x in g.logprobs], g.finish_reason) for g in gens])
+        mine = [
+            GenerationRequest(
+                prompt_ids=[*r.prompt_ids, *g.token_ids, 50 + turn],
+                temperature=r.temperature,
+                seed=r.seed + 1000,
+                max_new_tokens=r.max_new_tokens,
+                stop_token_ids=r.stop_token_ids,
+                tag=r.tag,
+            )
+            for r, g in zip(mine, gens, strict=True)
+        ]
+    return out, engine.reuse.reused_tokens
+
+
+def test_generation_under_pp2_and_tp2_by_pp2_samples_what_one_rank_samples(tiny_path):
+    [(whole, _)] = run_ranks(_generate, 1, str(tiny_path), 1, 1)
+    assert any(len(ids) > 1 for ids, _, _ in whole[0])
+    for tp, pp in ((1, 2), (2, 2)):
+        ranks = run_ranks(_generate, tp * pp, str(tiny_path), tp, pp, timeout=240)
+        got, reused = ranks[0]
+        assert [[(ids, reason) for ids, _, reason in turn] for turn in got] == [
+            [(ids, reason) for ids, _, reason in turn] for turn in whole
+        ]
+        for turn, want in zip(got, whole):
+            for (_, lp, _), (_, lp_want, _) in zip(turn, want):
+                assert lp == pytest.approx(lp_want, abs=1e-4)
+        assert reused > 0  # the second turn's prefixes came from each stage's kept keys/values
+        assert all(r[0] == [[], []] for r in ranks[1:])  # the other ranks brought no rows
