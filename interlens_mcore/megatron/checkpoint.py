@@ -139,7 +139,7 @@ def _entries(
             blocks[key] = block
 
     for rule in rules:
-        param, key = params[rule.megatron], storage_key(rule.megatron)
+        param, key = params[rule.megatron], rule.stored_as or storage_key(rule.megatron)
         add(key, rule, param.data)
         if optimizer is not None:
             for state_key, value in optimizer.state.get(param, {}).items():
@@ -278,10 +278,11 @@ def load(
     """
     folder = Path(folder)
     saved = saved_tensors(folder)
-    _, params = _checked_rules(model, layout)
+    rules, params = _checked_rules(model, layout)
     optimizer, megatron_optimizer = _split(optimizer)
     if optimizer is not None:
-        _prepare_state(optimizer, params, saved, folder)
+        keys = {r.megatron: r.stored_as or storage_key(r.megatron) for r in rules}
+        _prepare_state(optimizer, params, keys, saved, folder)
     blocks, plain, _ = _entries(model, layout, optimizer)
     expected = {k: b.global_shape for k, b in blocks.items()} | {k: tuple(t.shape) for k, t in plain.items()}
     for key, shape in expected.items():
@@ -310,10 +311,12 @@ def load(
         _load_megatron_optimizer(folder, model, megatron_optimizer)
 
 
-def _prepare_state(optimizer: torch.optim.Optimizer, params: dict, saved: dict, folder: Path) -> None:
+def _prepare_state(
+    optimizer: torch.optim.Optimizer, params: dict, keys: dict[str, str], saved: dict, folder: Path
+) -> None:
     """Give every parameter the state tensors the checkpoint holds, so DCP can load into them."""
     prefix = f"{OPTIMIZER}."
-    names = {id(p): storage_key(n) for n, p in params.items()}
+    names = {id(p): keys[n] for n, p in params.items()}
     if _PICKLED_HYPERPARAMETERS in saved and HYPERPARAMETERS not in saved:
         raise ValueError(
             f"checkpoint {folder} stores its optimizer hyperparameters as a pickle (an earlier format), "

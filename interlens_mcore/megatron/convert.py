@@ -42,6 +42,7 @@ class ParamRule:
     hf: tuple[str, ...]
     fuse: str  # "copy" | "qkv" | "glu" | "vocab"
     split: str  # "replicated" | "rows" | "cols" | "glu_rows"
+    stored_as: str = ""  # the checkpoint key when it is another parameter's (a tied copy)
 
 
 def param_map(layout: ModelLayout, megatron_names: set[str]) -> list[ParamRule]:
@@ -179,7 +180,12 @@ def _checked_rules(model: torch.nn.Module, layout: ModelLayout) -> tuple[list[Pa
         # stage's output layer is its own copy of the embedding
         rules = [r for r in rules if r.megatron in params]
         if layout.tied_embeddings and "output_layer.weight" in params:
-            rules.append(ParamRule("output_layer.weight", ("model.embed_tokens.weight",), "vocab", "rows"))
+            embed = ("model.embed_tokens.weight",)
+            # one weight: stored once, under its first name
+            tied = ParamRule(
+                "output_layer.weight", embed, "vocab", "rows", stored_as="embedding.word_embeddings.weight"
+            )
+            rules.append(tied)
     unknown = set(params) - {r.megatron for r in rules}
     missing = {r.megatron for r in rules} - set(params)
     if unknown or missing:

@@ -200,3 +200,47 @@ def test_generation_under_pp2_and_tp2_by_pp2_samples_what_one_rank_samples(tiny_
                 assert lp == pytest.approx(lp_want, abs=1e-4)
         assert reused > 0  # the second turn's prefixes came from each stage's kept keys/values
         assert all(r[0] == [[], []] for r in ranks[1:])  # the other ranks brought no rows
+
+
+def _checkpoint(rank, world_size, tiny_path, pp, folder, save):
+    """save: one Adam step through the pipeline, then the sharded checkpoint; else: load it."""
+    from interlens_mcore import distributed
+    from interlens_mcore.megatron import build_model, load_layout, pipeline
+    from interlens_mcore.megatron import checkpoint as megatron_checkpoint
+    from interlens_mcore.megatron.convert import stage_parameters
+    from interlens_mcore.megatron.weights import load_weights
+
+    distributed.init_megatron(1, pp=pp)
+    layout = load_layout(tiny_path)
+    model = build_model(layout, init_weights=False)
+    load_weights(model, layout, tiny_path)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if save:
+        batches = _batches()
+        pipeline.run(model, layout, batches, loss_of=_loss_of(batches))
+        optimizer.step()
+        megatron_checkpoint.save(folder, model, layout, optimizer)
+    else:
+        megatron_checkpoint.load(folder, model, layout, optimizer)
+    params = stage_parameters(model)
+    return {
+        n: (p.detach().numpy().copy(), optimizer.state[p]["exp_avg"].numpy().copy())
+        for n, p in params.items()
+    }
+
+
+@pytest.mark.parametrize(("saved_at", "loaded_at"), [(2, 1), (1, 2)])
+def test_a_checkpoint_reshards_across_pipeline_sizes(tiny_path, tmp_path, saved_at, loaded_at):
+    folder = str(tmp_path / "ckpt")
+    saved = run_ranks(_checkpoint, saved_at, str(tiny_path), saved_at, folder, True)
+    loaded = run_ranks(_checkpoint, loaded_at, str(tiny_path), loaded_at, folder, False)
+    want = {k: v for r in saved for k, v in r.items()}
+    got = {k: v for r in loaded for k, v in r.items()}
+    assert set(got) - {"output_layer.weight"} == set(want) - {"output_layer.weight"}
+    for name, (weight, moment) in got.items():
+        source = want.get(name, want["embedding.word_embeddings.weight"])  # a tied copy: the embedding
+        assert np.array_equal(weight, source[0]) and np.array_equal(moment, source[1]), name
+    assert np.abs(want["decoder.layers.1.mlp.linear_fc2.weight"][1]).max() > 0  # a step was taken
+    if "output_layer.weight" in want:  # saved at PP=2: the tied copies stepped alike
+        tied, embedding = want["output_layer.weight"], want["embedding.word_embeddings.weight"]
+        assert np.array_equal(tied[0], embedding[0]) and np.array_equal(tied[1], embedding[1])
