@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from support.dist import run_ranks
+from support.play import engine_turns
 
 from interlens_mcore.assets import ensure_tiny_model
 from interlens_mcore.engines.base import GenerationRequest
@@ -58,34 +59,13 @@ def _filtered_requests() -> list[GenerationRequest]:
 GREEDY_PROMPTS = [[5, 9, 33, 2, 100, 7], [1, 2, 3, 4], [260, 261, 262]]
 
 
-def _turns(engine, reqs: list[GenerationRequest], turns: int = 3) -> list[list]:
-    """`turns` calls where each row's next prompt is its last prompt, its reply and two new
-    tokens (another speaker's message): what co_step asks of an engine, tags kept."""
-    out = []
-    for turn in range(turns):
-        gens = engine.generate(reqs)
-        out.append(gens)
-        reqs = [
-            GenerationRequest(
-                prompt_ids=[*r.prompt_ids, *g.token_ids, 50 + turn, 60 + r.seed % 7],
-                temperature=r.temperature,
-                seed=r.seed + 1000,
-                max_new_tokens=r.max_new_tokens,
-                stop_token_ids=r.stop_token_ids,
-                tag=r.tag,
-            )
-            for r, g in zip(reqs, gens, strict=True)
-        ]
-    return out
-
-
 def _reuse_checks(model, layout, reqs: list[GenerationRequest], group) -> dict:
     """Turns with the prefixes kept and with none kept; then a weight change between two calls."""
     from interlens_mcore.megatron.engine import MegatronEngine
 
     kept = MegatronEngine(model, layout, group=group)
     none = MegatronEngine(model, layout, group=group, prefix_bytes=0)
-    out = {"reuse_turns": _turns(kept, reqs), "fresh_turns": _turns(none, reqs)}
+    out = {"reuse_turns": engine_turns(kept, reqs), "fresh_turns": engine_turns(none, reqs)}
     out["reused"], out["prefilled"] = kept.reuse.reused_tokens, kept.reuse.prefill_tokens
     out["fresh_reused"], out["fresh_prefilled"] = none.reuse.reused_tokens, none.reuse.prefill_tokens
     out["forwarded"] = (kept.stats.forwards, none.stats.forwards)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from support.dist import run_ranks
+from support.play import engine_turns
 
 # three packed micro-batches of different lengths (megatron sends each activation's shape first)
 SAMPLES = [
@@ -168,21 +169,11 @@ def _generate(rank, world_size, tiny_path, tp, pp):
     ]
     # every rank of the model-parallel group brings the same rows here; each keeps its own share
     mine = reqs if distributed.rank(ps.get_model_parallel_group()) == 0 else []
-    out = []
-    for turn in range(2):  # the second turn extends the first: the kept keys/values of each stage
-        gens = engine.generate(mine)
-        out.append([(g.token_ids, [round(x, 5) for x in g.logprobs], g.finish_reason) for g in gens])
-        mine = [
-            GenerationRequest(
-                prompt_ids=[*r.prompt_ids, *g.token_ids, 50 + turn],
-                temperature=r.temperature,
-                seed=r.seed + 1000,
-                max_new_tokens=r.max_new_tokens,
-                stop_token_ids=r.stop_token_ids,
-                tag=r.tag,
-            )
-            for r, g in zip(mine, gens, strict=True)
-        ]
+    # the second turn extends the first: each stage's kept keys/values
+    turns = engine_turns(engine, mine, turns=2)
+    out = [
+        [(g.token_ids, [round(x, 5) for x in g.logprobs], g.finish_reason) for g in gens] for gens in turns
+    ]
     return out, engine.reuse.reused_tokens
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from interlens_mcore.engines.base import SamplingParams
 from interlens_mcore.rollout.conversation import Conversation, Policy
 from interlens_mcore.rollout.costep import co_step
@@ -39,4 +41,22 @@ def scored(conv):
         given = [s for s in scores if s is not None]
         t.infos["env_reward"] = float(sum(given)) if given else None
         out.append(t)
+    return out
+
+
+def engine_turns(engine, reqs: list, turns: int = 3) -> list[list]:
+    """`turns` calls where each row's next prompt is its last prompt, its reply and two new
+    tokens (another speaker's message): what co_step asks of an engine, tags kept."""
+    out = []
+    for turn in range(turns):
+        gens = engine.generate(reqs)
+        out.append(gens)
+        reqs = [
+            replace(
+                r,
+                prompt_ids=[*r.prompt_ids, *g.token_ids, 50 + turn, 60 + r.seed % 7],
+                seed=r.seed + 1000,
+            )
+            for r, g in zip(reqs, gens, strict=True)
+        ]
     return out
