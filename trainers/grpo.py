@@ -246,6 +246,7 @@ class GRPOTrainer:
         if cfg.eval_every and self.step % cfg.eval_every == 0:
             report.note(self.evaluating())  # the held-out rows may take longer than a step
             evaluated = self.evaluation()
+            report.note(f"step {self.step}: rollout and update")
         rec, rollout = self.train_step()
         rec = record.json_ready({**rec, **evaluated})
         health, warnings = self.health.check(rec)
