@@ -51,6 +51,9 @@ if [[ -n "${LOCAL_ADDR:-}" ]]; then
     extra+=(--local-addr "$LOCAL_ADDR")
 fi
 
+# a fresh rendezvous store every round: with torchrun's shared one, ranks restarted by different
+# nodes' agents disagree on the restart count and wait for each other (distributed.check_restartable)
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 exec python "$here/run.py" \
     --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC_PER_NODE" \
     --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:${MASTER_PORT:-29400}" \

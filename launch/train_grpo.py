@@ -63,6 +63,10 @@ def _main(argv: list[str] | None) -> int:
         if args.trainer.save_on_signal:
             preemption.hold()  # a signal during start-up stops the run at its first step boundary
         args, source = check(args)  # every check that needs no process group
+        try:
+            distributed.check_restartable(os.environ)  # torchrun's own settings
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
         # decided before any rank can write run.json (that waits for the process group), so
         # every rank of a restarted or a fresh `--resume auto` run decides alike
         resume = args.launch.resuming(args.trainer.output_dir)

@@ -7,7 +7,7 @@ parallel_state.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -166,12 +166,15 @@ def init_distributed(*, timeout_s: float = 1800.0) -> None:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if restart is None:
+    if restart is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        # not under torchrun, or torchrun gives each rendezvous round a fresh store (rank 0 hosts it)
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
         return
-    # Under torchrun every process group's rendezvous keys live in one store that outlives a
-    # restart: a restarted rank would read a dead peer's address for a subgroup (megatron's TP
-    # and DP groups) before the live peer rewrites it. A prefix per attempt keeps them apart.
+    # Under torchrun every process group's rendezvous keys live in the agent's store, which
+    # outlives a restart: a restarted rank would read a dead peer's address for a subgroup
+    # (megatron's TP and DP groups) before the live peer rewrites it. A prefix per attempt keeps
+    # them apart; it names the same attempt on every rank only while one agent restarts them all.
+    check_restartable(os.environ)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store: dist.Store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
@@ -185,6 +188,28 @@ def init_distributed(*, timeout_s: float = 1800.0) -> None:
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
     )
+
+
+SHARED_STORE_OFF = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+def check_restartable(env: Mapping[str, str]) -> None:
+    """ValueError for a multi-node torchrun that may restart its workers over one shared store.
+
+    torchrun's c10d rendezvous keeps one store for the workers across rounds. After a lost
+    worker, its node's agent counts a restart, while an agent that only saw a node waiting does
+    not: the ranks' restart counts differ, so no per-attempt key prefix is the same on every
+    rank, and without one a restarted rank reads a dead peer's keys; either way the restarted
+    ranks would wait for each other until the collective timeout. With `SHARED_STORE_OFF=1`
+    every round gets a fresh store (launch/multinode.sh sets it).
+    """
+    nodes = int(env.get("GROUP_WORLD_SIZE", "1"))
+    if nodes > 1 and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        raise ValueError(
+            f"torchrun with {nodes} nodes and --max-restarts > 0 shares one rendezvous store across "
+            f"restarts, and the restarted ranks would wait for each other; set {SHARED_STORE_OFF}=1 "
+            "for every node's torchrun (launch/multinode.sh sets it), or --max-restarts 0"
+        )
 
 
 def _free_port() -> int:
