@@ -204,7 +204,8 @@ def check_restartable(env: Mapping[str, str]) -> None:
     every round gets a fresh store (launch/multinode.sh sets it).
     """
     nodes = int(env.get("GROUP_WORLD_SIZE", "1"))
-    if nodes > 1 and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+    shared = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # False with SHARED_STORE_OFF=1
+    if shared and nodes > 1 and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
         raise ValueError(
             f"torchrun with {nodes} nodes and --max-restarts > 0 shares one rendezvous store across "
             f"restarts, and the restarted ranks would wait for each other; set {SHARED_STORE_OFF}=1 "
@@ -269,10 +270,11 @@ def check_layout(*, tp: int, pp: int = 1, cp: int = 1, world: int | None = None)
 
 
 def launcher_store(*, timeout_s: float = 60.0) -> dist.TCPStore | None:
-    """torchrun's own key-value store (it outlives a restart of the workers), or None outside torchrun."""
+    """torchrun's own key-value store (it outlives a restart of the workers), or None outside
+    torchrun and where torchrun gives every round a fresh store (`SHARED_STORE_OFF`)."""
     import os
 
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
+    if "TORCHELASTIC_RUN_ID" not in os.environ or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     return dist.TCPStore(
         os.environ["MASTER_ADDR"],

@@ -21,7 +21,9 @@ def test_several_nodes_restarting_over_a_shared_store_are_refused_naming_the_set
     [
         {},  # not under torchrun
         {"GROUP_WORLD_SIZE": "1", "TORCHELASTIC_MAX_RESTARTS": "3"},  # one node: one agent restarts all
-        {"GROUP_WORLD_SIZE": "2", "TORCHELASTIC_MAX_RESTARTS": "0"},  # no restarts
+        {"GROUP_WORLD_SIZE": "2", "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": "True"},
+        # a fresh store every round (launch/multinode.sh)
+        {"GROUP_WORLD_SIZE": "2", "TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_USE_AGENT_STORE": "False"},
     ],
 )
 def test_one_node_or_no_restarts_pass(env):
