@@ -166,7 +166,7 @@ def init_distributed(*, timeout_s: float = 1800.0) -> None:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if restart is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if restart is None or not _agent_store(os.environ):
         # not under torchrun, or torchrun gives each rendezvous round a fresh store (rank 0 hosts it)
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
         return
@@ -193,6 +193,11 @@ def init_distributed(*, timeout_s: float = 1800.0) -> None:
 SHARED_STORE_OFF = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
+def _agent_store(env: Mapping[str, str]) -> bool:
+    """torchrun's workers share its agent's store, kept across rounds (not with SHARED_STORE_OFF=1)."""
+    return env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
 def check_restartable(env: Mapping[str, str]) -> None:
     """ValueError for a multi-node torchrun that may restart its workers over one shared store.
 
@@ -204,8 +209,7 @@ def check_restartable(env: Mapping[str, str]) -> None:
     every round gets a fresh store (launch/multinode.sh sets it).
     """
     nodes = int(env.get("GROUP_WORLD_SIZE", "1"))
-    shared = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # False with SHARED_STORE_OFF=1
-    if shared and nodes > 1 and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+    if _agent_store(env) and nodes > 1 and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
         raise ValueError(
             f"torchrun with {nodes} nodes and --max-restarts > 0 shares one rendezvous store across "
             f"restarts, and the restarted ranks would wait for each other; set {SHARED_STORE_OFF}=1 "
@@ -274,7 +278,7 @@ def launcher_store(*, timeout_s: float = 60.0) -> dist.TCPStore | None:
     torchrun and where torchrun gives every round a fresh store (`SHARED_STORE_OFF`)."""
     import os
 
-    if "TORCHELASTIC_RUN_ID" not in os.environ or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not _agent_store(os.environ):
         return None
     return dist.TCPStore(
         os.environ["MASTER_ADDR"],

@@ -134,13 +134,7 @@ def run(
     def forward_step(data: Iterator[int], stage_model: torch.nn.Module):
         i = next(data)
         b = batches[i]
-        params = packed_seq_params(b.cu_seqlens.to(device))
-        ids = b.input_ids.to(device) if first else None
-        positions = packed_positions(b.cu_seqlens).to(device)[None] if first else None
-        output = stage_model(
-            input_ids=ids, position_ids=positions, attention_mask=None, packed_seq_params=params
-        )
-        return output, partial(loss_func, i)
+        return _stage_forward(stage_model, b.input_ids, b.cu_seqlens, first), partial(loss_func, i)
 
     grad = contextlib.nullcontext() if not forward_only else torch.no_grad()
     with _on_cpu(), grad, compute_autocast(device.type, compute_dtype):
@@ -156,6 +150,18 @@ def run(
     if not forward_only:
         sum_tied_embedding_grads(model, layout)
     return _from_last_stage([s["logprobs"] for s in stored] if last else None, batches, device)
+
+
+def _stage_forward(
+    model: torch.nn.Module, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, first: bool
+) -> torch.Tensor:
+    """This stage's forward of a packed batch: the first stage embeds the ids (positions restart
+    per sequence); the others read the activations given by `set_input_tensor`."""
+    device = next(model.parameters()).device
+    params = packed_seq_params(cu_seqlens.to(device))
+    ids = input_ids.to(device) if first else None
+    positions = packed_positions(cu_seqlens).to(device)[None] if first else None
+    return model(input_ids=ids, position_ids=positions, attention_mask=None, packed_seq_params=params)
 
 
 def sum_tied_embedding_grads(model: torch.nn.Module, layout: ModelLayout) -> None:
@@ -212,11 +218,8 @@ def forward_stages(
         hidden = torch.empty(input_ids.shape[1], 1, layout.hidden_size, dtype=dtype, device=device)
         torch.distributed.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank(), group=group)
         model.set_input_tensor(hidden)  # type: ignore[operator]
-    params = packed_seq_params(cu_seqlens.to(device))
-    ids = input_ids.to(device) if first else None
-    positions = packed_positions(cu_seqlens).to(device)[None] if first else None
     with compute_autocast(device.type, compute_dtype):
-        out = model(input_ids=ids, position_ids=positions, attention_mask=None, packed_seq_params=params)
+        out = _stage_forward(model, input_ids, cu_seqlens, first)
     if not last:
         torch.distributed.send(
             out.to(dtype).contiguous(), dst=ps.get_pipeline_model_parallel_next_rank(), group=group
