@@ -329,9 +329,9 @@ class BackendConfig:
     lora_rank: int = field(
         default=0,
         metadata={
-            "help": "train LoRA adapters of this rank instead of the whole model (peft; deepspeed "
-            "backend); the KL reference is then the base model with the adapters off, no second copy. "
-            "0: full fine-tuning"
+            "help": "train LoRA adapters of this rank instead of the whole model (peft on the deepspeed "
+            "backend; TP-split adapters on megatron's parallel linears); the KL reference is then the "
+            "base model with the adapters off, no second copy. 0: full fine-tuning"
         },
     )
     lora_alpha: float = field(
@@ -384,11 +384,6 @@ class BackendConfig:
                         f"BackendConfig.{name} shapes LoRA adapters: give BackendConfig.lora_rank > 0"
                     )
             return
-        if self.backend != "deepspeed":
-            raise ValueError(
-                f"BackendConfig.lora_rank {self.lora_rank}: LoRA is available with --backend deepspeed "
-                "(Megatron's tensor-parallel adapters are not built yet); use --backend deepspeed"
-            )
         if self.engine != "native":
             raise ValueError(
                 f"BackendConfig.lora_rank {self.lora_rank}: with --engine {self.engine} the adapters would "
@@ -403,6 +398,17 @@ class BackendConfig:
                 f"BackendConfig.lora_target_modules {self.lora_target_modules!r}: expected module names "
                 "separated by commas (q_proj,v_proj) or all-linear"
             )
+        if self.backend == "megatron":
+            from interlens_mcore.megatron.lora import HF_PROJECTIONS
+
+            names = {"all-linear", *HF_PROJECTIONS, *(hf for hfs in HF_PROJECTIONS.values() for hf in hfs)}
+            unknown = [n for n in self.lora_target_modules.split(",") if n.strip() and n.strip() not in names]
+            if unknown:
+                known = ", ".join(sorted(names - {"all-linear"}))
+                raise ValueError(
+                    f"BackendConfig.lora_target_modules {self.lora_target_modules!r}: {unknown[0].strip()!r} "
+                    f"is not a linear layer of the Megatron model; expected all-linear or among {known}"
+                )
 
 
 def lora_targets(value: str) -> str | list[str]:

@@ -124,10 +124,15 @@ def storage_key(name: str) -> str:
 
 
 def _entries(
-    model: torch.nn.Module, layout: ModelLayout, optimizer: torch.optim.Optimizer | None
+    model: torch.nn.Module,
+    layout: ModelLayout,
+    optimizer: torch.optim.Optimizer | None,
+    adapters_only: bool = False,
 ) -> tuple[dict[str, distributed.Block], dict[str, torch.Tensor], dict[str, ParamRule]]:
     """(blocks, plain tensors, rule by key) of the model and the optimizer's current state."""
     rules, params = _checked_rules(model, layout)
+    if adapters_only:
+        rules = [r for r in rules if r.adapter]
     blocks, plain, by_key = {}, {}, {}
 
     def add(key: str, rule: ParamRule, tensor: torch.Tensor) -> None:
@@ -189,17 +194,22 @@ def save(
     model: GPTModel,
     layout: ModelLayout,
     optimizer: torch.optim.Optimizer | MegatronOptimizer | None = None,
+    *,
+    adapters_only: bool = False,
 ) -> Path:
     """Write the bare GPTModel (and the optimizer's state) under `folder`; collective over the world.
 
     `optimizer`: a torch optimizer over `model.parameters()` (CPU path) or a MegatronOptimizer
-    (GPU path), or None.
+    (GPU path), or None. `adapters_only`: the LoRA adapters alone (the frozen base is the run's
+    `--model`); `load` then fills the adapters of a model whose base is already loaded.
 
     Every DP replica takes part; each block is written once. Returns `folder`.
     """
     folder = Path(folder)
     torch_optimizer, megatron_optimizer = _split(optimizer)
-    blocks, plain, _ = _entries(model, layout, torch_optimizer)
+    blocks, plain, _ = _entries(model, layout, torch_optimizer, adapters_only)
+    if adapters_only and not blocks and not plain:
+        raise ValueError("save(adapters_only=True): the model has no LoRA adapters")
     objects: dict = {}
     if torch_optimizer is not None:
         objects[HYPERPARAMETERS] = _groups_hyperparameters(torch_optimizer)
@@ -217,6 +227,7 @@ def save(
             "saved_tp_size": layout.tp_size,
             "dtype": str(model.embedding.word_embeddings.weight.dtype).removeprefix("torch."),
             "optimizer": None if optimizer is None else ("megatron" if megatron_optimizer else "torch"),
+            "adapters_only": adapters_only,
         }
         (folder / MARKER).write_text(json.dumps(marker, indent=1, sort_keys=True))
     if megatron_optimizer is not None:
@@ -279,11 +290,20 @@ def load(
     folder = Path(folder)
     saved = saved_tensors(folder)
     rules, params = _checked_rules(model, layout)
+    adapters_only = bool(read_marker(folder).get("adapters_only"))
+    if adapters_only:
+        if not any(r.adapter for r in rules):
+            raise ValueError(
+                f"checkpoint {folder} holds LoRA adapters alone, and this model has none: load it with "
+                "the same --lora-rank over its base model (--model), or export a merged model "
+                "(--export-hf) from that run"
+            )
+        rules = [r for r in rules if r.adapter]
     optimizer, megatron_optimizer = _split(optimizer)
     if optimizer is not None:
         keys = {r.megatron: r.stored_as or storage_key(r.megatron) for r in rules}
         _prepare_state(optimizer, params, keys, saved, folder)
-    blocks, plain, _ = _entries(model, layout, optimizer)
+    blocks, plain, _ = _entries(model, layout, optimizer, adapters_only)
     expected = {k: b.global_shape for k, b in blocks.items()} | {k: tuple(t.shape) for k, t in plain.items()}
     for key, shape in expected.items():
         if key not in saved:
@@ -316,7 +336,7 @@ def _prepare_state(
 ) -> None:
     """Give every parameter the state tensors the checkpoint holds, so DCP can load into them."""
     prefix = f"{OPTIMIZER}."
-    names = {id(p): keys[n] for n, p in params.items()}
+    names = {id(p): keys[n] for n, p in params.items() if n in keys}
     if _PICKLED_HYPERPARAMETERS in saved and HYPERPARAMETERS not in saved:
         raise ValueError(
             f"checkpoint {folder} stores its optimizer hyperparameters as a pickle (an earlier format), "

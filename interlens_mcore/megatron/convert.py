@@ -25,8 +25,9 @@ from pathlib import Path
 import torch
 
 from .. import distributed
+from .lora import merged_weights
 from .model import ModelLayout
-from .stages import pipeline_size
+from .stages import pipeline_size, stage_parameters
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
 # the files of a sharded megatron checkpoint folder (checkpoint.py) that never belong in an HF one
@@ -40,9 +41,14 @@ class ParamRule:
 
     megatron: str
     hf: tuple[str, ...]
-    fuse: str  # "copy" | "qkv" | "glu" | "vocab"
+    fuse: str  # "copy" | "qkv" | "glu" | "vocab" | "shared" (one tensor, the same for each HF name)
     split: str  # "replicated" | "rows" | "cols" | "glu_rows"
     stored_as: str = ""  # the checkpoint key when it is another parameter's (a tied copy)
+
+    @property
+    def adapter(self) -> bool:
+        """A LoRA adapter's matrix (`lora.py`), not a weight of the model itself."""
+        return ".lora_" in self.megatron
 
 
 def param_map(layout: ModelLayout, megatron_names: set[str]) -> list[ParamRule]:
@@ -76,11 +82,44 @@ def param_map(layout: ModelLayout, megatron_names: set[str]) -> list[ParamRule]:
     return rules
 
 
+def adapter_rules(rules: list[ParamRule], names: set[str]) -> list[ParamRule]:
+    """Rules for the LoRA adapters among `names` (`lora.attach`), from their layers' rules.
+
+    A column-parallel layer's A is whole on every rank, and shared by the HF projections it
+    fuses (peft gives each projection its own A: the same one here); its B is split and fused
+    like the weight. A row-parallel layer's A is split like the weight's columns, its B whole.
+    HF names are peft's (`...q_proj.lora_A.weight`).
+    """
+    out = []
+    for rule in rules:
+        stem = rule.megatron.removesuffix(".weight")
+        if f"{stem}.lora_A.weight" not in names:
+            continue
+        column = rule.split != "cols"
+        hf = [h.removesuffix(".weight") for h in rule.hf]
+        a_fuse = "shared" if len(hf) > 1 else "copy"
+        out += [
+            ParamRule(
+                f"{stem}.lora_A.weight",
+                tuple(f"{h}.lora_A.weight" for h in hf),
+                a_fuse,
+                "replicated" if column else "cols",
+            ),
+            ParamRule(
+                f"{stem}.lora_B.weight",
+                tuple(f"{h}.lora_B.weight" for h in hf),
+                rule.fuse,
+                rule.split if column else "replicated",
+            ),
+        ]
+    return out
+
+
 # ---- fusing HF tensors into the TP=1 megatron layout, and back ----
 
 
 def _fuse(rule: ParamRule, layout: ModelLayout, tensors: list[torch.Tensor]) -> torch.Tensor:
-    if rule.fuse == "copy":
+    if rule.fuse in ("copy", "shared"):
         return tensors[0]
     if rule.fuse == "glu":
         return torch.cat(tensors, dim=0)  # [2F, h]
@@ -98,6 +137,8 @@ def _fuse(rule: ParamRule, layout: ModelLayout, tensors: list[torch.Tensor]) -> 
 def _unfuse(rule: ParamRule, layout: ModelLayout, full: torch.Tensor) -> list[torch.Tensor]:
     if rule.fuse == "copy":
         return [full]
+    if rule.fuse == "shared":  # copies: each HF name is a tensor of its own (safetensors refuses aliases)
+        return [full.clone() for _ in rule.hf]
     if rule.fuse == "glu":
         return list(full.chunk(2, dim=0))
     if rule.fuse == "vocab":
@@ -158,23 +199,10 @@ def _hf_reader(folder: Path) -> Callable[[str], torch.Tensor]:
     return read
 
 
-def stage_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    """The model's parameters under the names of the whole (PP=1) model: a pipeline stage numbers
-    its layers from 0, megatron's `layer_number` (from 1) gives their place in the whole."""
-    layers = getattr(getattr(model, "decoder", None), "layers", None)
-    offset = layers[0].layer_number - 1 if layers is not None and len(layers) else 0
-    out = {}
-    for name, p in model.named_parameters():
-        if offset and name.startswith("decoder.layers."):
-            index, rest = name[len("decoder.layers.") :].split(".", 1)
-            name = f"decoder.layers.{int(index) + offset}.{rest}"
-        out[name] = p
-    return out
-
-
 def _checked_rules(model: torch.nn.Module, layout: ModelLayout) -> tuple[list[ParamRule], dict]:
     params = stage_parameters(model)
     rules = param_map(layout, set(params))
+    rules += adapter_rules(rules, set(params))
     if pipeline_size() > 1:
         # a stage holds some of the whole model's parameters; with tied embeddings the last
         # stage's output layer is its own copy of the embedding
@@ -198,11 +226,12 @@ def _checked_rules(model: torch.nn.Module, layout: ModelLayout) -> tuple[list[Pa
 
 @torch.no_grad()
 def load_hf_weights(model: torch.nn.Module, layout: ModelLayout, hf_folder: str | Path) -> None:
-    """Copy this rank's TP shard of every HF tensor into `model` (every parameter is set)."""
+    """Copy this rank's TP shard of every HF tensor into `model` (every weight is set; LoRA
+    adapters are `lora.attach`'s)."""
     rules, params = _checked_rules(model, layout)
     read = _hf_reader(Path(hf_folder))
     tp_rank = distributed.rank(distributed.megatron_tp_group())
-    for rule in rules:
+    for rule in (r for r in rules if not r.adapter):
         full = _fuse(rule, layout, [read(n) for n in rule.hf])
         shard = _split(rule, full, layout.tp_size)[tp_rank]
         param = params[rule.megatron]
@@ -216,12 +245,28 @@ def load_hf_weights(model: torch.nn.Module, layout: ModelLayout, hf_folder: str 
 
 @torch.no_grad()
 def gather_hf_state_dict(model: torch.nn.Module, layout: ModelLayout) -> dict[str, torch.Tensor]:
-    """Full HF tensors (on CPU) from this rank's shards; collective over the TP group."""
+    """Full HF tensors (on CPU) from this rank's shards; collective over the TP group. LoRA
+    adapters, when on, are merged into their weights: the model as it computes."""
     rules, params = _checked_rules(model, layout)
+    merged = merged_weights(model)
+    return _gather([r for r in rules if not r.adapter], layout, lambda n: merged.get(n, params[n]))
+
+
+@torch.no_grad()
+def gather_adapter_state_dict(model: torch.nn.Module, layout: ModelLayout) -> dict[str, torch.Tensor]:
+    """The LoRA adapters as full tensors under peft's names (`lora_A` / `lora_B` of each HF
+    projection, without peft's `base_model.model.` prefix); collective over the TP group."""
+    rules, params = _checked_rules(model, layout)
+    return _gather([r for r in rules if r.adapter], layout, params.__getitem__)
+
+
+def _gather(
+    rules: list[ParamRule], layout: ModelLayout, local: Callable[[str], torch.Tensor]
+) -> dict[str, torch.Tensor]:
     group = distributed.megatron_tp_group()
     state = {}
     for rule in rules:
-        shards = distributed.all_gather_tensor(params[rule.megatron].detach(), group)
+        shards = distributed.all_gather_tensor(local(rule.megatron).detach(), group)
         for name, tensor in zip(rule.hf, _unfuse(rule, layout, _join(rule, shards)), strict=True):
             state[name] = tensor.cpu().contiguous()
     return state

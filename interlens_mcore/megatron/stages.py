@@ -57,3 +57,17 @@ def _tensor_cuda_is_identity() -> Iterator[None]:
 def building() -> contextlib.AbstractContextManager:
     """The context `build_model` builds a stage in."""
     return _tensor_cuda_is_identity() if pipeline_size() > 1 else contextlib.nullcontext()
+
+
+def stage_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The model's parameters under the names of the whole (PP=1) model: a pipeline stage numbers
+    its layers from 0, megatron's `layer_number` (from 1) gives their place in the whole."""
+    layers = getattr(getattr(model, "decoder", None), "layers", None)
+    offset = layers[0].layer_number - 1 if layers is not None and len(layers) else 0
+    out = {}
+    for name, p in model.named_parameters():
+        if offset and name.startswith("decoder.layers."):
+            index, rest = name[len("decoder.layers.") :].split(".", 1)
+            name = f"decoder.layers.{int(index) + offset}.{rest}"
+        out[name] = p
+    return out

@@ -250,7 +250,7 @@ def build_training(
     if groups.dp_size > 1:
         wrapped = torch.nn.parallel.DistributedDataParallel(model, process_group=groups.dp)
     optimizer = torch.optim.AdamW(
-        model.parameters(),
+        [p for p in model.parameters() if p.requires_grad],  # with LoRA: the adapters alone
         lr=options.lr,
         weight_decay=options.weight_decay,
         betas=options.adam_betas,

@@ -601,10 +601,11 @@ SECTIONS: list[tuple[str, list[Refusal]]] = [
                 "--lora-rank must be >= 0 (0: full fine-tuning), got -4",
             ),
             Refusal(
-                "LoRA on the megatron backend",
-                ("--lora-rank", "8"),
-                "--lora-rank 8: LoRA is available with --backend deepspeed (Megatron's tensor-parallel "
-                "adapters are not built yet); use --backend deepspeed",
+                "a layer the Megatron model does not adapt",
+                ("--lora-rank", "8", "--lora-target-modules", "q_proj,lm_head"),
+                "--lora-target-modules 'q_proj,lm_head': 'lm_head' is not a linear layer of the Megatron "
+                "model; expected all-linear or among down_proj, gate_proj, k_proj, linear_fc1, linear_fc2, "
+                "linear_proj, linear_qkv, o_proj, q_proj, up_proj, v_proj",
             ),
             Refusal(
                 "its settings without it",

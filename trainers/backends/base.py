@@ -40,6 +40,7 @@ from interlens_mcore.grpo.batch import Layout, TrainingBatch
 from ..config import BackendConfig, TrainerConfig
 
 REFERENCE_DIR = "reference"  # a checkpoint's moved KL reference (--sync-ref-model), beside the policy
+ADAPTER_DIR = "adapter"  # a LoRA checkpoint's adapters in peft's layout
 
 
 class Backend(Protocol):

@@ -49,14 +49,13 @@ from interlens_mcore.grpo.batch import Layout, TrainingBatch
 from interlens_mcore.grpo.logprobs import token_entropy, token_logprobs
 
 from ..config import BackendConfig, TrainerConfig, lora_targets
-from .base import REFERENCE_DIR
+from .base import ADAPTER_DIR, REFERENCE_DIR
 from .colocated_vllm import ColocatedVLLM, vllm_config
 
 if TYPE_CHECKING:
     from peft import LoraConfig
     from transformers import PreTrainedModel
 
-ADAPTER_DIR = "adapter"  # a LoRA checkpoint's adapters in peft's layout
 
 
 def build(

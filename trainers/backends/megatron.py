@@ -6,6 +6,12 @@ distinct conversations to each (collective) generation call, then share their tr
 because a TP forward needs identical inputs on every rank of the group (the GRPO loop does
 that for any backend whose groups have TP > 1).
 
+LoRA (`--lora-rank`, `lora=LoRAOptions(...)`): adapters on megatron's column- and row-parallel
+layers, split over TP like their weights (`interlens_mcore.megatron.lora`); only they reach the
+optimizer, and the KL reference is the same model with its adapters off, no second copy.
+Checkpoints hold the adapters and their optimizer state alone (the base is `--model`'s) and
+`adapter/` in peft's layout; `export_hf` writes the merged model with that `adapter/` inside.
+
 Training goes through one seam (`interlens_mcore.megatron.training`): on GPU megatron's own
 DistributedDataParallel and distributed optimizer (bf16 weights, fp32 main weights); on CPU,
 where those need CUDA, torch DDP over the DP group and a torch AdamW. Checkpoints are sharded
@@ -32,13 +38,16 @@ from interlens_mcore.grpo.logprobs import (
 )
 from interlens_mcore.megatron import build_model, export_hf, forward_logits, load_layout
 from interlens_mcore.megatron import checkpoint as megatron_checkpoint
+from interlens_mcore.megatron import lora as megatron_lora
+from interlens_mcore.megatron.convert import gather_adapter_state_dict
 from interlens_mcore.megatron.engine import MegatronEngine
+from interlens_mcore.megatron.lora import LoRAOptions
 from interlens_mcore.megatron.model import compute_autocast, vocab_start
 from interlens_mcore.megatron.training import TrainingOptions, build_training, choose_path, model_overrides
 from interlens_mcore.megatron.weights import copy_hf_files, load_weights
 
-from ..config import BackendConfig, TrainerConfig
-from .base import REFERENCE_DIR
+from ..config import BackendConfig, TrainerConfig, lora_targets
+from .base import ADAPTER_DIR, REFERENCE_DIR
 from .colocated_vllm import ColocatedVLLM, vllm_config
 
 
@@ -67,14 +76,30 @@ def build(
         tokenizer=tokenizer,
         vllm=vllm_config(cfg, groups.tp_size),  # vLLM's TP group is the rollout group: the trainer's TP
         compute_dtype=torch.bfloat16 if cfg.bf16 else None,
+        lora=lora_options(cfg),
     )
     return backend, groups
+
+
+def lora_options(cfg: BackendConfig) -> LoRAOptions | None:
+    """The adapters of the --lora-* options (None without --lora-rank)."""
+    if not cfg.lora_rank:
+        return None
+    megatron_lora.peft_config_class()  # refused now, not at the first checkpoint, without peft
+    targets = lora_targets(cfg.lora_target_modules)
+    return LoRAOptions(
+        rank=cfg.lora_rank,
+        alpha=cfg.lora_alpha,
+        dropout=cfg.lora_dropout,
+        target_modules=targets if isinstance(targets, str) else tuple(targets),
+    )
 
 
 class MegatronBackend:
     """A megatron-core model for GRPO; `distributed.init_megatron(tp)` must have run.
 
-    `reference=True` keeps a frozen copy of the initial weights for the KL term. With `vllm`
+    `reference=True` keeps a frozen copy of the initial weights for the KL term; with `lora` the
+    reference is the same model with its adapters off (no copy). With `vllm`
     (its `tensor_parallel_size` the TP size) a colocated vLLM over the rollout group generates
     instead of `MegatronEngine`, and `sync_engine_weights` gathers the TP shards into it.
     """
@@ -97,6 +122,7 @@ class MegatronBackend:
         tokenizer: PreTrainedTokenizerBase | None = None,
         vllm: VLLMConfig | None = None,
         compute_dtype: torch.dtype | None = None,
+        lora: LoRAOptions | None = None,
     ):
         self.groups, self.temperature, self.tokenizer = groups, temperature or 1.0, tokenizer
         # the policy's entropy at each position of its last forward (the `entropy` metric), no grad
@@ -115,8 +141,15 @@ class MegatronBackend:
             from megatron.core import tensor_parallel
 
             tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        self.lora = lora
+        if lora is not None and vllm is not None:
+            raise ValueError("LoRA adapters do not reach a colocated vLLM yet: use the native engine")
         self.model = self._initial_model(trainable=True)
-        self.reference = self._initial_model() if reference else None
+        if lora is not None:
+            megatron_lora.attach(self.model, self.layout_info, lora)  # freezes the base
+        # with LoRA the reference is the base model under the adapters: nothing more to build
+        self.reference = self._initial_model() if reference and lora is None else None
+        self._adapters_off_reference = reference and lora is not None
         self.reference_moved = False  # mix_reference moved it off the initial weights: it is saved
         self.training = build_training(self.model, options, groups, path=self.path)
         self.train_model, self.optimizer = self.training.train_model, self.training.optimizer
@@ -148,12 +181,15 @@ class MegatronBackend:
 
     @property
     def has_reference(self) -> bool:
-        return self.reference is not None
+        return self.reference is not None or self._adapters_off_reference
 
     def _initial_model(self, *, trainable: bool = False) -> torch.nn.Module:
         # a second model from the same folder (megatron modules hold process groups: no deepcopy)
+        # Transformer Engine's spec fuses the norms into the linears, whose input is then the
+        # un-normed one: adapters need the local spec's plain linears
+        spec = "local" if self.lora is not None and self.path == "megatron" else None
         model = build_model(
-            self.layout_info, init_weights=False, params_dtype=self.params_dtype, **self.overrides
+            self.layout_info, init_weights=False, spec=spec, params_dtype=self.params_dtype, **self.overrides
         )
         load_weights(model, self.layout_info, self.model_path)
         if self.path == "megatron":
@@ -189,6 +225,9 @@ class MegatronBackend:
         if self.colocated is not None:
             self.colocated.idle()  # the rollout is over: vLLM may free its memory until the sync
         if reference:
+            if self._adapters_off_reference:  # the base model: the same module, adapters off
+                with torch.no_grad(), megatron_lora.adapters_off(self.model):
+                    return self._logprobs(self.model, batch)
             if self.reference is None:
                 raise ValueError("logprobs_of(reference=True): the backend was built with reference=False")
             with torch.no_grad():
@@ -262,8 +301,14 @@ class MegatronBackend:
 
     def save(self, folder: Path) -> None:
         """A sharded checkpoint (collective): it loads at any TP size, and as `--model` too. A
-        reference that `mix_reference` moved is saved beside it (`reference/`)."""
-        megatron_checkpoint.save(folder, self.model, self.layout_info, self.optimizer)
+        reference that `mix_reference` moved is saved beside it (`reference/`). With LoRA: the
+        adapters and their optimizer state alone, and `adapter/` in peft's layout."""
+        adapters_only = self.lora is not None
+        megatron_checkpoint.save(
+            folder, self.model, self.layout_info, self.optimizer, adapters_only=adapters_only
+        )
+        if adapters_only:
+            self._save_adapter(folder / ADAPTER_DIR)
         if self.reference is not None and self.reference_moved:
             megatron_checkpoint.save(folder / REFERENCE_DIR, self.reference, self.layout_info)
         if distributed.rank() == 0:
@@ -277,5 +322,18 @@ class MegatronBackend:
         self.sync_engine_weights()  # a resumed run generates with the weights it resumes from
 
     def export_hf(self, out_dir: str | Path) -> Path:
-        """The trained weights as an HF folder (collective over the world)."""
-        return export_hf(self.model, self.layout_info, self.model_path, out_dir)
+        """The trained weights as an HF folder (collective over the world); with LoRA the merged
+        model, and the adapters alone in peft's layout in its `adapter/`."""
+        out = export_hf(self.model, self.layout_info, self.model_path, out_dir)
+        if self.lora is not None:
+            self._save_adapter(Path(out) / ADAPTER_DIR)
+        return out
+
+    def _save_adapter(self, folder: Path) -> None:
+        """The adapters as peft's `save_pretrained` writes them, loadable by
+        `PeftModel.from_pretrained(base, folder)`; gathered over TP, written by rank 0."""
+        assert self.lora is not None, "only a LoRA backend has adapters"
+        tensors = gather_adapter_state_dict(self.model, self.layout_info)
+        if distributed.rank() == 0:
+            megatron_lora.save_peft(folder, tensors, self.lora, base_model=str(self.model_path))
+        distributed.barrier()

@@ -1,0 +1,313 @@
+"""LoRA adapters on megatron-core's column- and row-parallel linear layers, exact under TP.
+
+An adapted layer computes `y = W x + scale * B (A x)` with `scale = alpha / rank`. Its
+adapters are split over TP the way its weight is, so TP=2 computes what TP=1 computes:
+
+- column-parallel (`linear_qkv`, `linear_fc1`; W split by output rows): A [r, in] is whole on
+  every rank, B [out / tp, r] is this rank's rows of B. `A x` is the same on every rank; it
+  passes megatron's `copy_to_tensor_model_parallel_region` (identity forward, all-reduce of
+  the gradient), so A's gradient is the sum over the B shards: the whole gradient, on every rank.
+- row-parallel (`linear_proj`, `linear_fc2`; W split by input columns): A [r, in / tp] is this
+  rank's columns of A, B [out, r] is whole. `A_r x_r` is summed over TP with
+  `reduce_from_tensor_model_parallel_region`, as the layer sums `W_r x_r`; B's gradient is then
+  the same on every rank.
+
+A fused layer adapts as one: `linear_qkv` holds q, k and v, `linear_fc1` gate and up. Naming
+only some of them (`--lora-target-modules q_proj,v_proj`) keeps B's rows of the others at zero
+(a fixed mask), so the exported adapter is peft's for exactly the named projections, each
+with the shared A. Dropout draws its mask for the whole input width from a generator seeded
+per layer, the same on every TP rank, and keeps this rank's part: the same masks at any TP.
+
+The adapters are registered on the layer (`<layer>.lora_A.weight`, `<layer>.lora_B.weight`),
+so the base weights keep their names for checkpoints and the HF conversion
+(`convert.adapter_rules`); a forward hook adds the adapters' term. The base is frozen.
+
+Example::
+
+    state = attach(model, layout, LoRAOptions(rank=8, alpha=16))
+    with adapters_off(model):        # the base model: the KL reference, no second copy
+        ref = forward_logits(model, layout, ids, cu)
+    merged = merged_weights(model)   # W + scale * B A per adapted weight (export, vLLM)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .. import distributed
+from .model import ModelLayout
+from .stages import stage_parameters
+
+# each megatron layer and the HF projections it fuses, in the order they are fused
+HF_PROJECTIONS = {
+    "linear_qkv": ("q_proj", "k_proj", "v_proj"),
+    "linear_proj": ("o_proj",),
+    "linear_fc1": ("gate_proj", "up_proj"),
+    "linear_fc2": ("down_proj",),
+}
+COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")
+_ATTRIBUTE = "_interlens_lora"  # where `attach` leaves the LoRAState on the model
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoRAOptions:
+    """The adapters' shape: peft's and ms-swift's names (`r`, `lora_alpha`, `lora_dropout`,
+    `target_modules`); target names are HF projections or megatron layers, or "all-linear"."""
+
+    rank: int
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: str | tuple[str, ...] = "all-linear"
+    seed: int = 0  # A's initialisation and the dropout masks
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"LoRAOptions.rank must be >= 1, got {self.rank}")
+        if not (math.isfinite(self.alpha) and self.alpha > 0):
+            raise ValueError(f"LoRAOptions.alpha must be a finite number > 0, got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"LoRAOptions.dropout must be in [0, 1), got {self.dropout}")
+        targets(self.target_modules)  # names checked here, before any model is touched
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+def targets(target_modules: str | tuple[str, ...] | list[str]) -> dict[str, tuple[str, ...]]:
+    """megatron layer -> the HF projections adapted in it, from peft-style target names."""
+    names = [target_modules] if isinstance(target_modules, str) else list(target_modules)
+    if names == ["all-linear"]:
+        return dict(HF_PROJECTIONS)
+    layer_of = {hf: layer for layer, hfs in HF_PROJECTIONS.items() for hf in hfs}
+    out: dict[str, list[str]] = {}
+    for name in names:
+        if name in HF_PROJECTIONS:
+            out.setdefault(name, []).extend(HF_PROJECTIONS[name])
+        elif name in layer_of:
+            out.setdefault(layer_of[name], []).append(name)
+        else:
+            known = ", ".join([*layer_of, *HF_PROJECTIONS])
+            raise ValueError(
+                f"LoRA target module {name!r} is not a linear layer of the Megatron model; "
+                f"expected all-linear or names among {known}"
+            )
+    # in the fused order, once each
+    return {layer: tuple(hf for hf in HF_PROJECTIONS[layer] if hf in hfs) for layer, hfs in out.items()}
+
+
+@dataclass(eq=False)
+class _Adapter:
+    """What one adapted layer's hook needs besides its parameters."""
+
+    column: bool  # column-parallel (A whole, B split) or row-parallel (A split, B whole)
+    in_full: int  # the layer's input width at TP=1 (the dropout mask's width)
+    in_offset: int  # where this rank's input columns start (row-parallel)
+    mask: torch.Tensor | None  # [out / tp] 1 for adapted output rows (None: all of them)
+    seed: int
+    generators: dict[torch.device, torch.Generator] = field(default_factory=dict)
+
+    def dropout(self, x: torch.Tensor, p: float) -> torch.Tensor:
+        gen = self.generators.get(x.device)
+        if gen is None:
+            gen = self.generators[x.device] = torch.Generator(x.device).manual_seed(self.seed)
+        keep = torch.rand((*x.shape[:-1], self.in_full), generator=gen, device=x.device) >= p
+        keep = keep[..., self.in_offset : self.in_offset + x.shape[-1]]
+        return x * keep.to(x.dtype) / (1.0 - p)
+
+
+@dataclass(eq=False)
+class LoRAState:
+    """The adapters of one model: its options, and whether the hooks add their term."""
+
+    options: LoRAOptions
+    layers: dict[str, tuple[str, ...]]  # megatron layer kind -> adapted HF projections
+    # global weight name -> (its layer, which holds lora_A / lora_B, and the hook's state)
+    adapted: dict[str, tuple[torch.nn.Module, _Adapter]] = field(default_factory=dict)
+    enabled: bool = True
+
+
+def state_of(model: torch.nn.Module) -> LoRAState | None:
+    """The model's LoRAState, None when no adapters are attached."""
+    return model.__dict__.get(_ATTRIBUTE)
+
+
+def attach(model: torch.nn.Module, layout: ModelLayout, options: LoRAOptions) -> LoRAState:
+    """Freeze the bare GPTModel and give each targeted linear layer LoRA adapters (B zero, so the
+    model computes what it did); A is initialised as peft does, from a generator seeded by the
+    layer's global name, and split over TP like the weight: the same adapters at any TP."""
+    if state_of(model) is not None:
+        raise ValueError("attach: the model already has LoRA adapters")
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    chosen = targets(options.target_modules)
+    global_name = {id(p): name for name, p in stage_parameters(model).items()}
+    tp, tp_rank = layout.tp_size, distributed.rank(distributed.megatron_tp_group())
+    model.requires_grad_(False)
+    state = LoRAState(options=options, layers=chosen)
+    for _, module in list(model.named_modules()):
+        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            continue
+        # "decoder.layers.{i}.{self_attention|mlp}.{kind}.weight"; a tied output layer has no weight
+        name = global_name.get(id(module.weight), "")
+        kind = name.split(".")[-2] if name else ""
+        if kind not in chosen:
+            continue  # the output layer, or a layer not named
+        if module.sequence_parallel:
+            raise ValueError("LoRA adapters do not run with sequence parallelism (sequence_parallel=False)")
+        column = kind in COLUMN_PARALLEL
+        out_local, in_local = module.weight.shape
+        in_full = in_local if column else in_local * tp
+        seed = zlib.crc32(f"{options.seed}:{name}".encode())
+        # peft's kaiming_uniform_(a=sqrt(5)) on the whole A: uniform in +-1/sqrt(fan_in)
+        bound = 1.0 / math.sqrt(in_full)
+        gen = torch.Generator().manual_seed(seed)
+        a = (torch.rand(options.rank, in_full, generator=gen, dtype=torch.float64) * 2 - 1) * bound
+        if not column:
+            a = a[:, tp_rank * in_local : (tp_rank + 1) * in_local]
+        w = module.weight
+        module.lora_A = torch.nn.Linear(in_local, options.rank, bias=False, device=w.device, dtype=w.dtype)
+        module.lora_B = torch.nn.Linear(options.rank, out_local, bias=False, device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            module.lora_A.weight.copy_(a)
+            module.lora_B.weight.zero_()
+        # megatron's TP attributes: its gradient norm counts a slice on every rank, a whole copy once
+        split = module.lora_B.weight if column else module.lora_A.weight
+        split.tensor_model_parallel, split.partition_dim, split.partition_stride = True, 0 if column else 1, 1
+        mask = _row_mask(kind, layout, chosen[kind])
+        adapter = _Adapter(
+            column=column,
+            in_full=in_full,
+            in_offset=0 if column else tp_rank * in_local,
+            mask=None if mask is None else mask.to(w.device, w.dtype),
+            seed=seed + 1,
+        )
+        module.register_forward_hook(_hook(state, adapter))
+        state.adapted[name] = (module, adapter)
+    if not state.adapted:
+        raise ValueError(f"LoRA target modules {options.target_modules!r} adapt no layer of this model")
+    model.__dict__[_ATTRIBUTE] = state
+    return state
+
+
+def _row_mask(kind: str, layout: ModelLayout, adapted: tuple[str, ...]) -> torch.Tensor | None:
+    """[out / tp] 1.0 on this rank's output rows of the adapted projections; None when all are."""
+    if adapted == HF_PROJECTIONS[kind]:
+        return None
+    hn, tp = layout.head_dim, layout.tp_size
+    on = {hf: float(hf in adapted) for hf in HF_PROJECTIONS[kind]}
+    if kind == "linear_qkv":  # a rank's key/value groups, each [its q heads; k; v] (convert.py)
+        group = [
+            torch.full((layout.num_heads // layout.num_kv_heads * hn,), on["q_proj"]),
+            torch.full((hn,), on["k_proj"]),
+            torch.full((hn,), on["v_proj"]),
+        ]
+        return torch.cat(group).repeat(layout.num_kv_heads // tp)
+    # linear_fc1: a rank holds [gate_r; up_r]
+    rows = layout.ffn_hidden_size // tp
+    return torch.cat([torch.full((rows,), on["gate_proj"]), torch.full((rows,), on["up_proj"])])
+
+
+def _hook(state: LoRAState, adapter: _Adapter):
+    from megatron.core.tensor_parallel.mappings import (
+        copy_to_tensor_model_parallel_region,
+        reduce_from_tensor_model_parallel_region,
+    )
+
+    group = distributed.megatron_tp_group()
+    p = state.options.dropout
+
+    def add_adapters(module, args, output):
+        if not state.enabled:
+            return output
+        out, bias = output
+        x = args[0]  # [..., in (/ tp)]
+        if p and module.training:
+            x = adapter.dropout(x, p)
+        h = F.linear(x, module.lora_A.weight)  # [..., r]
+        b = module.lora_B.weight if adapter.mask is None else module.lora_B.weight * adapter.mask[:, None]
+        if adapter.column:
+            h = copy_to_tensor_model_parallel_region(h, group=group)  # A's gradient: summed over TP
+        else:
+            h = reduce_from_tensor_model_parallel_region(h, group=group)  # sum_r A_r x_r
+        return out + F.linear(h, b) * state.options.scale, bias
+
+    return add_adapters
+
+
+@contextlib.contextmanager
+def adapters_off(model: torch.nn.Module) -> Iterator[None]:
+    """The base model for the length of the block (the KL reference with LoRA)."""
+    state = state_of(model)
+    if state is None:
+        raise ValueError("adapters_off: the model has no LoRA adapters")
+    was, state.enabled = state.enabled, False
+    try:
+        yield
+    finally:
+        state.enabled = was
+
+
+@torch.no_grad()
+def merged_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Global weight name -> this rank's shard of W + scale * B A (no collective): the adapted
+    layers as one plain weight, for an HF export or an engine that takes plain weights."""
+    state = state_of(model)
+    if state is None or not state.enabled:
+        return {}
+    out = {}
+    for name, (layer, adapter) in state.adapted.items():
+        b = layer.lora_B.weight.float()
+        if adapter.mask is not None:
+            b = b * adapter.mask[:, None].float()
+        delta = (b @ layer.lora_A.weight.float()) * state.options.scale
+        out[name] = (layer.weight.float() + delta).to(layer.weight.dtype)
+    return out
+
+
+def save_peft(
+    folder: str | Path, tensors: dict[str, torch.Tensor], options: LoRAOptions, *, base_model: str
+) -> Path:
+    """Write adapters (`convert.gather_adapter_state_dict`'s, whole) as peft's `save_pretrained`
+    does: `adapter_config.json` from peft's own `LoraConfig` and `adapter_model.safetensors`
+    under peft's names. Only the projections `options` adapts are written."""
+    from safetensors.torch import save_file
+
+    LoraConfig = peft_config_class()
+    adapted = {hf for hfs in targets(options.target_modules).values() for hf in hfs}
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = LoraConfig(
+        r=options.rank,
+        lora_alpha=options.alpha,  # type: ignore[arg-type]  # peft computes alpha / r in floats
+        lora_dropout=options.dropout,
+        target_modules=sorted(adapted),
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=base_model,
+    )
+    config.save_pretrained(str(folder))
+    kept = {  # "model.layers.0.self_attn.q_proj.lora_A.weight": the projection is third from the end
+        f"base_model.model.{name}": t for name, t in tensors.items() if name.split(".")[-3] in adapted
+    }
+    save_file(kept, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def peft_config_class():
+    """peft's `LoraConfig`; ValueError naming the extra to install when peft is missing."""
+    try:
+        from peft import LoraConfig
+    except ImportError:
+        raise ValueError(
+            "--lora-rank writes its adapters in peft's layout, and peft is not installed "
+            "(pip install -e '.[lora]')"
+        ) from None
+    return LoraConfig
