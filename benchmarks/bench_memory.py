@@ -27,6 +27,8 @@ CONFIGS = [
     # (name, backend, lora rank, reference)
     ("megatron-full", "megatron", 0, False),
     ("megatron-full-ref", "megatron", 0, True),
+    ("megatron-lora", "megatron", 8, False),
+    ("megatron-lora-ref", "megatron", 8, True),
     ("deepspeed-full", "deepspeed", 0, False),
     ("deepspeed-full-ref", "deepspeed", 0, True),
     ("deepspeed-lora", "deepspeed", 8, False),

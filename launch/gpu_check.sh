@@ -15,6 +15,8 @@
 #   trainer   launch/train_grpo.py --backend megatron for 2 steps on the GPU: the whole trainer,
 #             which reaches megatron's DDP / optimizer once it builds them through
 #             interlens_mcore.megatron.training.
+#   trainer_lora  the same with --lora-rank 8: LoRA adapters on the local spec's parallel linears,
+#             only they in megatron's DDP and distributed optimizer, the reference with them off.
 # Exit status 0 when every part that exists passed.
 set -u
 cd "$(dirname "$0")/.."
@@ -37,6 +39,8 @@ if [ -f launch/gpu_check/vllm_gpu.py ]; then
 fi
 part trainer 120 "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 launch/train_grpo.py \
     --backend megatron --steps 2 --output-dir "$OUT/trainer-run"
+part trainer_lora 120 "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 launch/train_grpo.py \
+    --backend megatron --lora-rank 8 --beta 0.1 --steps 2 --output-dir "$OUT/trainer_lora-run"
 
 "$PY" - "$OUT" <<'PYEOF'
 import json
@@ -45,7 +49,7 @@ from pathlib import Path
 
 out = Path(sys.argv[1])
 report = {"check": "gpu_check"}
-for name in ("megatron", "vllm", "trainer"):
+for name in ("megatron", "vllm", "trainer", "trainer_lora"):
     status = out / f"{name}.status"
     if not status.exists():
         report[name] = {"ok": None, "note": "not written (launch/gpu_check/vllm_gpu.py is the slot)"}
@@ -61,8 +65,8 @@ for name in ("megatron", "vllm", "trainer"):
     if rc != 0:
         entry["ok"] = False
         entry["last_stderr"] = errors[-3:]
-    if name == "trainer" and rc == 0:
-        metrics = out / "trainer-run" / "metrics.jsonl"
+    if name.startswith("trainer") and rc == 0:
+        metrics = out / f"{name}-run" / "metrics.jsonl"
         entry["steps_logged"] = len(metrics.read_text().splitlines()) if metrics.exists() else 0
     report[name] = entry
 report["ok"] = all(v.get("ok") is not False for v in report.values() if isinstance(v, dict))

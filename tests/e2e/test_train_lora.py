@@ -36,3 +36,25 @@ def test_lora_runs_save_adapters_and_resume(tmp_path):
     rows = metrics(out)
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert all(r["grad_norm"] > 0 for r in rows)
+
+
+def test_megatron_lora_at_tp2_trains_and_exports_the_merged_model(tmp_path):
+    out, hf = tmp_path / "run", tmp_path / "hf"
+    lora = ["--lora-rank", "8", "--lora-alpha", "16", "--lora-dropout", "0.0"]
+    args = ["--backend", "megatron", "--tp", "2", *lora, "--beta", "0.1", "--lr", "0.02", "--eval-every", "0"]
+    run = torchrun(*args, *SMALL, "--steps", "3", "--output-dir", str(out), "--export-hf", str(hf))
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [0, 1, 2] and all(r["grad_norm"] > 0 for r in rows)
+    config = json.loads((out / "checkpoints" / "step-000003" / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 8 and sorted(config["target_modules"]) == [
+        "down_proj",
+        "gate_proj",
+        "k_proj",
+        "o_proj",
+        "q_proj",
+        "up_proj",
+        "v_proj",
+    ]
+    # --export-hf: the merged model where from_pretrained finds it, the adapters beside it
+    assert (hf / "model.safetensors").is_file() and (hf / "adapter" / "adapter_model.safetensors").is_file()

@@ -1,4 +1,5 @@
-"""The memory benchmark at a tiny size: LoRA with a reference keeps one model in memory."""
+"""The memory benchmark at a tiny size: LoRA with a reference keeps one model in memory, on both
+backends."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ def test_bench_memory_counts_one_model_for_lora_with_a_reference():
     cmd = [
         sys.executable,
         str(ROOT / "benchmarks" / "bench_memory.py"),
-        *("--models", "tiny", "--configs", "deepspeed-full-ref,deepspeed-lora-ref"),
+        *("--models", "tiny", "--configs", "deepspeed-full-ref,deepspeed-lora-ref,megatron-lora-ref"),
         *("--samples", "2", "--tokens", "16", "--micro-batch-size", "1", "--threads", "1", "--json"),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
@@ -30,4 +31,8 @@ def test_bench_memory_counts_one_model_for_lora_with_a_reference():
     assert full_ref["params_alive"] == 2 * base  # the policy and its reference copy
     assert lora_ref["params_alive"] == base + lora_ref["params_trained"]  # no reference copy
     assert 0 < lora_ref["params_trained"] < base / 5
+    megatron_lora = got["megatron-lora-ref"]  # the same on the megatron backend's own adapters
+    assert "error" not in megatron_lora, got
+    assert megatron_lora["params_alive"] == base + megatron_lora["params_trained"]
+    assert 0 < megatron_lora["params_trained"] < base / 5
     assert all(r["peak_mb"] >= r["resident_built_mb"] > 0 for r in got.values())
