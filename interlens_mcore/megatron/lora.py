@@ -130,8 +130,10 @@ class LoRAState:
 
     options: LoRAOptions
     layers: dict[str, tuple[str, ...]]  # megatron layer kind -> adapted HF projections
-    # global weight name -> (its layer, which holds lora_A / lora_B, and the hook's state)
-    adapted: dict[str, tuple[torch.nn.Module, _Adapter]] = field(default_factory=dict)
+    # global weight name -> (the weight, A, B, the hook's state)
+    adapted: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, _Adapter]] = field(
+        default_factory=dict
+    )
     enabled: bool = True
 
 
@@ -147,6 +149,7 @@ def attach(model: torch.nn.Module, layout: ModelLayout, options: LoRAOptions) ->
     if state_of(model) is not None:
         raise ValueError("attach: the model already has LoRA adapters")
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
     chosen = targets(options.target_modules)
     global_name = {id(p): name for name, p in stage_parameters(model).items()}
@@ -174,14 +177,15 @@ def attach(model: torch.nn.Module, layout: ModelLayout, options: LoRAOptions) ->
         if not column:
             a = a[:, tp_rank * in_local : (tp_rank + 1) * in_local]
         w = module.weight
-        module.lora_A = torch.nn.Linear(in_local, options.rank, bias=False, device=w.device, dtype=w.dtype)
-        module.lora_B = torch.nn.Linear(options.rank, out_local, bias=False, device=w.device, dtype=w.dtype)
+        lora_a = torch.nn.Linear(in_local, options.rank, bias=False, device=w.device, dtype=w.dtype)
+        lora_b = torch.nn.Linear(options.rank, out_local, bias=False, device=w.device, dtype=w.dtype)
+        module.lora_A, module.lora_B = lora_a, lora_b
         with torch.no_grad():
-            module.lora_A.weight.copy_(a)
-            module.lora_B.weight.zero_()
+            lora_a.weight.copy_(a)
+            lora_b.weight.zero_()
         # megatron's TP attributes: its gradient norm counts a slice on every rank, a whole copy once
-        split = module.lora_B.weight if column else module.lora_A.weight
-        split.tensor_model_parallel, split.partition_dim, split.partition_stride = True, 0 if column else 1, 1
+        split = lora_b.weight if column else lora_a.weight
+        set_tensor_model_parallel_attributes(split, True, 0 if column else 1, 1)
         mask = _row_mask(kind, layout, chosen[kind])
         adapter = _Adapter(
             column=column,
@@ -191,7 +195,7 @@ def attach(model: torch.nn.Module, layout: ModelLayout, options: LoRAOptions) ->
             seed=seed + 1,
         )
         module.register_forward_hook(_hook(state, adapter))
-        state.adapted[name] = (module, adapter)
+        state.adapted[name] = (w, lora_a.weight, lora_b.weight, adapter)
     if not state.adapted:
         raise ValueError(f"LoRA target modules {options.target_modules!r} adapt no layer of this model")
     model.__dict__[_ATTRIBUTE] = state
@@ -264,12 +268,10 @@ def merged_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     if state is None or not state.enabled:
         return {}
     out = {}
-    for name, (layer, adapter) in state.adapted.items():
-        b = layer.lora_B.weight.float()
-        if adapter.mask is not None:
-            b = b * adapter.mask[:, None].float()
-        delta = (b @ layer.lora_A.weight.float()) * state.options.scale
-        out[name] = (layer.weight.float() + delta).to(layer.weight.dtype)
+    for name, (weight, a, b, adapter) in state.adapted.items():
+        b = b.float() if adapter.mask is None else b.float() * adapter.mask[:, None].float()
+        delta = (b @ a.float()) * state.options.scale
+        out[name] = (weight.float() + delta).to(weight.dtype)
     return out
 
 
@@ -287,7 +289,7 @@ def save_peft(
     folder.mkdir(parents=True, exist_ok=True)
     config = LoraConfig(
         r=options.rank,
-        lora_alpha=options.alpha,  # type: ignore[arg-type]  # peft computes alpha / r in floats
+        lora_alpha=options.alpha,  # peft computes alpha / r in floats
         lora_dropout=options.dropout,
         target_modules=sorted(adapted),
         task_type="CAUSAL_LM",

@@ -43,6 +43,7 @@ from interlens_mcore.megatron.convert import gather_adapter_state_dict
 from interlens_mcore.megatron.engine import MegatronEngine
 from interlens_mcore.megatron.lora import LoRAOptions
 from interlens_mcore.megatron.model import compute_autocast, vocab_start
+from interlens_mcore.megatron.spec import SpecKind
 from interlens_mcore.megatron.training import TrainingOptions, build_training, choose_path, model_overrides
 from interlens_mcore.megatron.weights import copy_hf_files, load_weights
 
@@ -187,7 +188,7 @@ class MegatronBackend:
         # a second model from the same folder (megatron modules hold process groups: no deepcopy)
         # Transformer Engine's spec fuses the norms into the linears, whose input is then the
         # un-normed one: adapters need the local spec's plain linears
-        spec = "local" if self.lora is not None and self.path == "megatron" else None
+        spec: SpecKind | None = "local" if self.lora is not None and self.path == "megatron" else None
         model = build_model(
             self.layout_info, init_weights=False, spec=spec, params_dtype=self.params_dtype, **self.overrides
         )
