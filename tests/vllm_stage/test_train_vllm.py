@@ -20,6 +20,8 @@ pytest.importorskip(
 BACKENDS = {
     "megatron": ["--backend", "megatron"],
     "megatron-tp2": ["--backend", "megatron", "--tp", "2"],  # one vLLM of TP 2 over both ranks
+    # LoRA adapters reach vLLM merged into their weights after each step
+    "megatron-tp2-lora": ["--backend", "megatron", "--tp", "2", "--lora-rank", "8", "--lora-dropout", "0"],
     "deepspeed-zero1": ["--backend", "deepspeed", "--zero-stage", "1"],
     "deepspeed-zero3": ["--backend", "deepspeed", "--zero-stage", "3"],
 }

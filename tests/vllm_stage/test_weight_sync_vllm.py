@@ -1,4 +1,5 @@
-"""Weights reach a colocated vLLM from both training backends, on 2 gloo ranks (2 x vLLM TP=1).
+"""Weights reach a colocated vLLM from both training backends, on 2 gloo ranks (2 x vLLM TP=1);
+megatron's LoRA adapters reach it merged.
 
 After the update, vLLM's greedy tokens are those of the HF model holding the same weights:
 from a megatron-core GPTModel at TP=2 (shards gathered, fused QKV / gate-up split back; the
@@ -69,6 +70,42 @@ def _megatron_job(rank, world, path):
     return {"before": before, "after": after, "hf": _hf_greedy(path, state), "tensors": report.tensors}
 
 
+def _megatron_lora_job(rank, world, path, adapter_dir):
+    import torch
+    from megatron.core import parallel_state
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from interlens_mcore import HFEngine
+    from interlens_mcore.engines.weight_sync import megatron_hf_tensors
+    from interlens_mcore.megatron import build_model, load_hf_weights, load_layout
+    from interlens_mcore.megatron.convert import gather_adapter_state_dict
+    from interlens_mcore.megatron.lora import LoRAOptions, attach, save_peft
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    layout = load_layout(path)
+    model = build_model(layout, init_weights=False)
+    load_hf_weights(model, layout, path)
+    options = LoRAOptions(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "linear_fc1", "down_proj"))
+    attach(model, layout, options)
+    engine = _vllm(path)
+    before = _greedy(engine)
+    gen = torch.Generator().manual_seed(0)  # the same draws on both ranks: B's whole copies agree
+    with torch.no_grad():  # "trained" adapters: B away from zero
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith("lora_B.weight"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    report = engine.update_weights(megatron_hf_tensors(model, layout))  # the merged weights
+    after = _greedy(engine)
+    adapters = gather_adapter_state_dict(model, layout)
+    if rank == 0:
+        save_peft(adapter_dir, adapters, options, base_model=path)
+    torch.distributed.barrier()
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), adapter_dir)
+    hf = _greedy(HFEngine(peft_model.eval(), AutoTokenizer.from_pretrained(path)))
+    return {"before": before, "after": after, "hf": hf, "tensors": report.tensors}
+
+
 def _zero3_job(rank, world, path):
     import deepspeed
     import torch
@@ -110,6 +147,17 @@ def test_megatron_tp2_weights_reach_vllm():
     results = run_ranks(_megatron_job, 2, str(path), timeout=600)
     _check(results)
     assert results[0]["tensors"] == 2 + 1 + 2 * 9  # embeddings, lm_head, final norm, 9 per layer
+
+
+def test_megatron_lora_tp2_merged_weights_reach_vllm(tmp_path):
+    # vLLM generates with the merged weights what peft's model with the exported adapter does
+    pytest.importorskip("peft", reason="the adapter is checked through peft's PeftModel")
+    from interlens_mcore.assets import ensure_tiny_model
+
+    path = ensure_tiny_model(arch="llama", vocab_size=515, tie_word_embeddings=False, initializer_range=0.1)
+    results = run_ranks(_megatron_lora_job, 2, str(path), str(tmp_path / "adapter"), timeout=600)
+    _check(results)
+    assert results[0]["tensors"] == 2 + 1 + 2 * 9  # the merged model's names: no adapter tensor
 
 
 def test_zero3_weights_reach_vllm(tiny_path):

@@ -8,7 +8,8 @@ that for any backend whose groups have TP > 1).
 
 LoRA (`--lora-rank`, `lora=LoRAOptions(...)`): adapters on megatron's column- and row-parallel
 layers, split over TP like their weights (`interlens_mcore.megatron.lora`); only they reach the
-optimizer, and the KL reference is the same model with its adapters off, no second copy.
+optimizer, and the KL reference is the same model with its adapters off, no second copy. A
+colocated vLLM receives the merged weights (W + scale * B A) after each update.
 Checkpoints hold the adapters and their optimizer state alone (the base is `--model`'s) and
 `adapter/` in peft's layout; `export_hf` writes the merged model with that `adapter/` inside.
 
@@ -143,8 +144,6 @@ class MegatronBackend:
 
             tensor_parallel.model_parallel_cuda_manual_seed(seed)
         self.lora = lora
-        if lora is not None and vllm is not None:
-            raise ValueError("LoRA adapters do not reach a colocated vLLM yet: use the native engine")
         self.model = self._initial_model(trainable=True)
         if lora is not None:
             megatron_lora.attach(self.model, self.layout_info, lora)  # freezes the base
