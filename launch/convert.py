@@ -2,13 +2,16 @@
 
     torchrun --nproc_per_node=2 launch/convert.py --hf IN_DIR --megatron OUT_DIR --tp 2
     torchrun --nproc_per_node=1 launch/convert.py --megatron IN_DIR --hf OUT_DIR
+    torchrun --nproc_per_node=1 launch/convert.py --megatron RUN/checkpoints/step-N --base MODEL --hf OUT_DIR
 
 The input is whichever of the two folders exists; the output must not exist (or be empty).
 A checkpoint written at one TP size converts back at any other. Every tensor survives the
-round trip bit for bit. --tp defaults to the number of processes. The output is written to
-a temporary folder and renamed when complete; a megatron output carries `manifest.json`
-(size and sha256 of every file) and `meta.json` (where it came from), as the trainers'
-checkpoints do; the manifest is checked before a megatron input is read.
+round trip bit for bit. A `--lora-rank` run's checkpoint holds its adapters alone: --base names
+the model they adapt, and the output is the merged model (W + alpha / r * B A). --tp defaults to
+the number of processes. The output is written to a temporary folder and renamed when complete;
+a megatron output carries `manifest.json` (size and sha256 of every file) and `meta.json` (where
+it came from), as the trainers' checkpoints do; the manifest is checked before a megatron input
+is read.
 Bad input: one line on stderr naming the flag, exit code 2, nothing written.
 """
 
@@ -41,6 +44,7 @@ class Conversion:
     source: Path
     target: Path
     tp: int
+    base: Path | None = None  # the model a checkpoint of LoRA adapters adapts
 
 
 def _world_size() -> int:
@@ -56,6 +60,13 @@ def parse(argv: list[str] | None) -> Conversion:
     parser.add_argument("--hf", type=Path, required=True, help="HF folder (config, tokenizer, safetensors)")
     parser.add_argument("--megatron", type=Path, required=True, help="sharded megatron checkpoint folder")
     parser.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: all processes)")
+    parser.add_argument(
+        "--base",
+        type=Path,
+        default=None,
+        help="with --megatron holding LoRA adapters alone (a --lora-rank run's checkpoint): the model "
+        "they adapt (HF folder or checkpoint); --hf then gets the merged model",
+    )
     args = parser.parse_args(argv)
     tp = _world_size() if args.tp is None else args.tp
     if tp < 1 or _world_size() % tp:
@@ -73,8 +84,11 @@ def parse(argv: list[str] | None) -> Conversion:
         conv = Conversion(direction="hf_to_megatron", source=args.hf, target=args.megatron, tp=tp)
         _check_hf(conv.source)
     else:
-        conv = Conversion(direction="megatron_to_hf", source=args.megatron, target=args.hf, tp=tp)
+        conv = Conversion(
+            direction="megatron_to_hf", source=args.megatron, target=args.hf, tp=tp, base=args.base
+        )
         _check_megatron(conv.source)
+        _check_base(conv)
     _check_heads(conv)
     if conv.target.exists() and not conv.target.is_dir():
         flag = "--megatron" if conv.direction == "hf_to_megatron" else "--hf"
@@ -103,6 +117,21 @@ def _check_megatron(folder: Path) -> None:
         raise UsageError(f"--megatron {folder}: corrupt checkpoint ({reason})")
 
 
+def _check_base(conv: Conversion) -> None:
+    adapters_only = bool(json.loads((conv.source / "megatron.json").read_text()).get("adapters_only"))
+    if adapters_only and conv.base is None:
+        raise UsageError(
+            f"--megatron {conv.source} holds LoRA adapters alone: add --base MODEL, the model they adapt "
+            "(the run's --model)"
+        )
+    if not adapters_only and conv.base is not None:
+        raise UsageError(
+            f"--base {conv.base}: --megatron {conv.source} holds a whole model, not LoRA adapters"
+        )
+    if conv.base is not None and not (conv.base / "config.json").is_file():
+        raise UsageError(f"--base {conv.base}: not an HF folder or a checkpoint (no config.json)")
+
+
 def _check_heads(conv: Conversion) -> None:
     config = json.loads((conv.source / "config.json").read_text())
     flag = "--hf" if conv.direction == "hf_to_megatron" else "--megatron"
@@ -125,7 +154,7 @@ def convert(conv: Conversion) -> Path:
     if conv.direction == "hf_to_megatron":
         hf_to_megatron(conv.source, tmp)
     else:
-        megatron_to_hf(conv.source, tmp)
+        megatron_to_hf(conv.source, tmp, base=conv.base)
     if distributed.rank() == 0:
         if conv.direction == "hf_to_megatron":
             from trainers.checkpoint import META, write_manifest

@@ -36,6 +36,7 @@ Layout of a checkpoint folder::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -45,6 +46,7 @@ import torch
 from .. import distributed
 from ..distributed import safe_load
 from .convert import MEGATRON_MARKER, ParamRule, _checked_rules, _join
+from .lora import state_of
 from .model import ModelLayout
 
 if TYPE_CHECKING:
@@ -229,6 +231,9 @@ def save(
             "optimizer": None if optimizer is None else ("megatron" if megatron_optimizer else "torch"),
             "adapters_only": adapters_only,
         }
+        lora = state_of(model)
+        if adapters_only and lora is not None:  # what `weights.megatron_to_hf` rebuilds them with
+            marker["lora"] = dataclasses.asdict(lora.options)
         (folder / MARKER).write_text(json.dumps(marker, indent=1, sort_keys=True))
     if megatron_optimizer is not None:
         _save_megatron_optimizer(folder, model, megatron_optimizer)

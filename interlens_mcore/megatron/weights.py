@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from .. import distributed
-from . import checkpoint
+from . import checkpoint, lora
 from .convert import CHECKPOINT_FILES, WEIGHT_SUFFIXES, export_hf, load_hf_weights
 from .model import ModelLayout, build_model, load_layout
 
@@ -94,13 +94,38 @@ def hf_to_megatron(hf_folder: str | Path, out_dir: str | Path) -> Path:
     return out
 
 
-def megatron_to_hf(megatron_folder: str | Path, out_dir: str | Path) -> Path:
-    """Sharded megatron checkpoint (written at any TP) -> HF folder; collective over the world."""
+def megatron_to_hf(
+    megatron_folder: str | Path, out_dir: str | Path, *, base: str | Path | None = None
+) -> Path:
+    """Sharded megatron checkpoint (written at any TP) -> HF folder; collective over the world.
+
+    A checkpoint of LoRA adapters alone (a `--lora-rank` run's) needs `base`, the model they
+    adapt (an HF folder or a checkpoint): the output is the merged model, W + alpha / r * B A.
+    """
     megatron_folder = Path(megatron_folder)
-    dtype = stored_dtype(megatron_folder)
-    model, layout = load_model(megatron_folder, params_dtype=dtype)
-    # norms are float32 in megatron whatever params_dtype is: exact upcasts, cast back exactly
+    marker = checkpoint.read_marker(megatron_folder)
+    if not marker.get("adapters_only"):
+        if base is not None:
+            raise ValueError(f"{megatron_folder} holds a whole model, not LoRA adapters: it takes no base")
+        dtype = stored_dtype(megatron_folder)
+        model, layout = load_model(megatron_folder, params_dtype=dtype)
+        # norms are float32 in megatron whatever params_dtype is: exact upcasts, cast back exactly
+        return export_hf(model, layout, megatron_folder, out_dir, dtype=dtype)
+    if base is None:
+        raise ValueError(
+            f"{megatron_folder} holds LoRA adapters alone: name the model they adapt (the run's --model)"
+        )
+    dtype = stored_dtype(base)
+    model, layout = load_model(base, params_dtype=dtype)
+    lora.attach(model, layout, lora.LoRAOptions(**_options(marker["lora"])))
+    checkpoint.load(megatron_folder, model, layout)
     return export_hf(model, layout, megatron_folder, out_dir, dtype=dtype)
+
+
+def _options(stored: dict) -> dict:
+    # JSON has no tuples: a list of module names comes back as one
+    names = stored["target_modules"]
+    return {**stored, "target_modules": names if isinstance(names, str) else tuple(names)}
 
 
 def hf_config(path: str | Path) -> dict:

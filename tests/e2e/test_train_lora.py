@@ -6,12 +6,15 @@ nothing of the base, and a resumed run goes on from them. ZeRO-1 and the backend
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
-from support.launch import SMALL, metrics, torchrun
+from support.launch import ROOT, SMALL, env, metrics, torchrun
 
 pytest.importorskip("peft", reason="LoRA trains with peft, an optional extra: pip install -e .[lora]")
 
+CONVERT = ROOT / "launch" / "convert.py"
 # TRL's name for the rank (lora_r), an alpha and a module list
 LORA = ["--zero-stage", "3", "--lora_r", "8", "--lora-alpha", "16", "--lora-target-modules", "q_proj,v_proj"]
 
@@ -38,15 +41,17 @@ def test_lora_runs_save_adapters_and_resume(tmp_path):
     assert all(r["grad_norm"] > 0 for r in rows)
 
 
-def test_megatron_lora_at_tp2_trains_and_exports_the_merged_model(tmp_path):
-    out, hf = tmp_path / "run", tmp_path / "hf"
+def test_megatron_lora_at_tp2_trains_exports_and_converts_the_merged_model(tmp_path, tiny_path):
+    out, hf, merged = tmp_path / "run", tmp_path / "hf", tmp_path / "merged"
     lora = ["--lora-rank", "8", "--lora-alpha", "16", "--lora-dropout", "0.0"]
     args = ["--backend", "megatron", "--tp", "2", *lora, "--beta", "0.1", "--lr", "0.02", "--eval-every", "0"]
-    run = torchrun(*args, *SMALL, "--steps", "3", "--output-dir", str(out), "--export-hf", str(hf))
+    args += ["--model", str(tiny_path), *SMALL, "--steps", "3", "--output-dir", str(out)]
+    run = torchrun(*args, "--export-hf", str(hf))
     assert run.returncode == 0, run.stderr[-3000:]
     rows = metrics(out)
     assert [r["step"] for r in rows] == [0, 1, 2] and all(r["grad_norm"] > 0 for r in rows)
-    config = json.loads((out / "checkpoints" / "step-000003" / "adapter" / "adapter_config.json").read_text())
+    step3 = out / "checkpoints" / "step-000003"
+    config = json.loads((step3 / "adapter" / "adapter_config.json").read_text())
     assert config["r"] == 8 and sorted(config["target_modules"]) == [
         "down_proj",
         "gate_proj",
@@ -58,3 +63,14 @@ def test_megatron_lora_at_tp2_trains_and_exports_the_merged_model(tmp_path):
     ]
     # --export-hf: the merged model where from_pretrained finds it, the adapters beside it
     assert (hf / "model.safetensors").is_file() and (hf / "adapter" / "adapter_model.safetensors").is_file()
+    # the checkpoint holds the adapters alone: convert.py merges them into their base
+    cmd = [sys.executable, str(CONVERT), "--megatron", str(step3), "--hf", str(tmp_path / "no-base")]
+    alone = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env(), cwd=ROOT)
+    assert alone.returncode == 2 and "holds LoRA adapters alone: add --base MODEL" in alone.stderr
+    conv = torchrun("--megatron", str(step3), "--base", str(tiny_path), "--hf", str(merged), script=CONVERT)
+    assert conv.returncode == 0, conv.stderr[-3000:]
+    from safetensors.torch import load_file
+
+    exported, converted = load_file(hf / "model.safetensors"), load_file(merged / "model.safetensors")
+    assert sorted(exported) == sorted(converted)
+    assert all(exported[k].equal(converted[k]) for k in exported)  # the same merge, at TP=2 either way
