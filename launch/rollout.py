@@ -316,6 +316,7 @@ def play(args: Args, source: Any, folder: Path | None, out: Path, said: str) -> 
             bar.close()
         if f is not None:
             f.close()
+        trainer.close()  # a colocated vLLM shut down before the process groups go
     if distributed.rank() == 0:
         print(f"wrote {written} trajectories to {out / OUT_FILE}", file=sys.stderr)
     return 0

@@ -76,6 +76,7 @@ def _main(argv: list[str] | None) -> int:
 
     torch.set_num_threads(1)  # ranks share the cores; one intra-op thread each
     distributed.init_distributed(timeout_s=args.trainer.collective_timeout_s)
+    trainer = None
     try:
         trainer = build_trainer(args, source)
         try:
@@ -106,6 +107,8 @@ def _main(argv: list[str] | None) -> int:
         if args.launch.export_hf:
             trainer.export_hf(args.launch.export_hf)
     finally:
+        if trainer is not None:
+            trainer.close()  # vLLM's shutdown first: it destroys the process groups it shares with us
         distributed.destroy()
     return 0
 

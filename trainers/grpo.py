@@ -516,3 +516,7 @@ class GRPOTrainer:
 
     def export_hf(self, out_dir: str | Path) -> Path:
         return self.backend.export_hf(out_dir)
+
+    def close(self) -> None:
+        """The run's last call before the process groups go (see `Backend.close`)."""
+        self.backend.close()

@@ -211,6 +211,15 @@ class VLLMEngine:
         """Take the memory back before the next rollout."""
         self.llm.wake_up()
 
+    def close(self) -> None:
+        """Shut vLLM's engine down now; colocated, call it last, right before the process groups go.
+
+        vLLM's shutdown destroys its own parallel groups and then torch's default process group.
+        Left to run at interpreter exit, after the trainer had destroyed the process groups, it met
+        groups already gone and raised `Invalid process group specified` on every rank.
+        """
+        self.llm.llm_engine.engine_core.shutdown()
+
 
 def _vllm_params(r: GenerationRequest, cap: int):
     from vllm import SamplingParams

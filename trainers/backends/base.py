@@ -19,6 +19,7 @@ object with these members::
         def export_hf(self, out_dir): ...
         def frozen_engine(self): ...            # the initial weights, for frozen opponent seats
         def sync_engine_weights(self) -> float: ...  # after the optimizer steps; seconds taken
+        def close(self): ...                    # the run's last call: a colocated vLLM shut down
 
 Both backends take `vllm=VLLMConfig(...)` (`--engine vllm`): `engine` is then a `VLLMEngine`
 colocated in the training ranks on the rollout group, and `sync_engine_weights` hands it the
@@ -90,6 +91,10 @@ class Backend(Protocol):
     def export_hf(self, out_dir: str | Path) -> Path: ...
 
     def frozen_engine(self) -> Engine: ...
+
+    def close(self) -> None:
+        """Release what must go before the process groups do: a colocated vLLM, whose shutdown
+        destroys torch's default process group. The run's last call, after the last collective."""
 
     def sync_engine_weights(self) -> float:
         """Give the generating engine the trained weights; returns the seconds it took (collective).

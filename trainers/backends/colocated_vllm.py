@@ -48,6 +48,10 @@ class ColocatedVLLM:
             self.engine.release()
             self.asleep = True
 
+    def close(self) -> None:
+        """vLLM shut down (it destroys torch's default process group: the run's last step)."""
+        self.engine.close()
+
     def sync(self) -> float:
         t0 = time.perf_counter()
         if self.asleep:

@@ -370,6 +370,11 @@ class DeepSpeedBackend:
         for group in self.ds.optimizer.param_groups:
             group["lr"] = lr
 
+    def close(self) -> None:
+        """See `Backend.close`."""
+        if self.colocated is not None:
+            self.colocated.close()
+
     def sync_engine_weights(self) -> float:
         """See `Backend.sync_engine_weights`: ZeRO-3 gathers each parameter (collective over DP).
 

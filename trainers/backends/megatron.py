@@ -276,6 +276,11 @@ class MegatronBackend:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
+    def close(self) -> None:
+        """See `Backend.close`."""
+        if self.colocated is not None:
+            self.colocated.close()
+
     def sync_engine_weights(self) -> float:
         """See `Backend.sync_engine_weights`: TP shards gathered into vLLM (collective over TP);
         our engines drop the keys/values they kept across turns (made by the old weights)."""
