@@ -311,6 +311,15 @@ class BackendConfig:
             "run several times faster"
         },
     )
+    recompute: bool = field(
+        default=False,
+        metadata={
+            "help": "activation checkpointing: keep each transformer layer's input only and recompute "
+            "its activations in the backward (megatron's full recompute on GPU, torch's checkpoint per "
+            "layer on CPU; HF gradient checkpointing on the deepspeed backend): less memory, one more "
+            "forward of the layers"
+        },
+    )
     vllm_gpu_memory_utilization: float = field(
         default=0.9, metadata={"help": "with --engine vllm on GPU: the share of GPU memory vLLM may take"}
     )

@@ -31,6 +31,7 @@ ALIASES: dict[str, str] = {
     "use_kl_in_reward": "kl_in_reward",  # verl's algorithm.use_kl_in_reward (ms-swift's is ours)
     "kl_coef": "beta",  # verl's algorithm.kl_ctrl.kl_coef: one coefficient here, in the loss or the reward
     "target_kl": "kl_target",  # verl's algorithm.kl_ctrl.target_kl
+    "gradient_checkpointing": "recompute",  # TRL's (transformers' TrainingArguments)
     "lora_r": "lora_rank",  # TRL's ModelConfig (peft's LoraConfig.r); ms-swift and verl say lora_rank
 }
 

@@ -15,8 +15,9 @@ adapters are split over TP the way its weight is, so TP=2 computes what TP=1 com
 A fused layer adapts as one: `linear_qkv` holds q, k and v, `linear_fc1` gate and up. Naming
 only some of them (`--lora-target-modules q_proj,v_proj`) keeps B's rows of the others at zero
 (a fixed mask), so the exported adapter is peft's for exactly the named projections, each
-with the shared A. Dropout draws its mask for the whole input width from a generator seeded
-per layer, the same on every TP rank, and keeps this rank's part: the same masks at any TP.
+with the shared A. Dropout draws its mask for the whole input width from a generator seeded by
+the layer and the model forward's number, the same on every TP rank, and keeps this rank's part:
+the same masks at any TP, and again when a layer is recomputed in the backward.
 
 The adapters are registered on the layer (`<layer>.lora_A.weight`, `<layer>.lora_B.weight`),
 so the base weights keep their names for checkpoints and the HF conversion
@@ -113,12 +114,11 @@ class _Adapter:
     in_offset: int  # where this rank's input columns start (row-parallel)
     mask: torch.Tensor | None  # [out / tp] 1 for adapted output rows (None: all of them)
     seed: int
-    generators: dict[torch.device, torch.Generator] = field(default_factory=dict)
 
-    def dropout(self, x: torch.Tensor, p: float) -> torch.Tensor:
-        gen = self.generators.get(x.device)
-        if gen is None:
-            gen = self.generators[x.device] = torch.Generator(x.device).manual_seed(self.seed)
+    def dropout(self, x: torch.Tensor, p: float, forward: int) -> torch.Tensor:
+        # a generator of its own per model forward: a layer recomputed in the backward
+        # (activation checkpointing) draws the mask it drew in the forward
+        gen = torch.Generator(x.device).manual_seed(self.seed + (forward << 32))
         keep = torch.rand((*x.shape[:-1], self.in_full), generator=gen, device=x.device) >= p
         keep = keep[..., self.in_offset : self.in_offset + x.shape[-1]]
         return x * keep.to(x.dtype) / (1.0 - p)
@@ -135,6 +135,7 @@ class LoRAState:
         default_factory=dict
     )
     enabled: bool = True
+    forwards: int = 0  # model forwards so far (a pre-hook on the model counts them): dropout's seed
 
 
 def state_of(model: torch.nn.Module) -> LoRAState | None:
@@ -142,10 +143,15 @@ def state_of(model: torch.nn.Module) -> LoRAState | None:
     return model.__dict__.get(_ATTRIBUTE)
 
 
-def attach(model: torch.nn.Module, layout: ModelLayout, options: LoRAOptions) -> LoRAState:
+def attach(
+    model: torch.nn.Module, layout: ModelLayout, options: LoRAOptions, *, dtype: torch.dtype | None = None
+) -> LoRAState:
     """Freeze the bare GPTModel and give each targeted linear layer LoRA adapters (B zero, so the
     model computes what it did); A is initialised as peft does, from a generator seeded by the
-    layer's global name, and split over TP like the weight: the same adapters at any TP."""
+    layer's global name, and split over TP like the weight: the same adapters at any TP.
+
+    `dtype`: the adapters' (None: their layer's); float32 adapters over a bfloat16 base train
+    with a plain optimizer while the frozen base takes half the memory."""
     if state_of(model) is not None:
         raise ValueError("attach: the model already has LoRA adapters")
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -156,9 +162,11 @@ def attach(model: torch.nn.Module, layout: ModelLayout, options: LoRAOptions) ->
     tp, tp_rank = layout.tp_size, distributed.rank(distributed.megatron_tp_group())
     model.requires_grad_(False)
     state = LoRAState(options=options, layers=chosen)
-    for _, module in list(model.named_modules()):
+    for local, module in list(model.named_modules()):
         if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             continue
+        if local == "output_layer":  # frozen now: see _StridedGrad
+            module.register_forward_hook(_standard_strides)
         # "decoder.layers.{i}.{self_attention|mlp}.{kind}.weight"; a tied output layer has no weight
         name = global_name.get(id(module.weight), "")
         kind = name.split(".")[-2] if name else ""
@@ -177,8 +185,9 @@ def attach(model: torch.nn.Module, layout: ModelLayout, options: LoRAOptions) ->
         if not column:
             a = a[:, tp_rank * in_local : (tp_rank + 1) * in_local]
         w = module.weight
-        lora_a = torch.nn.Linear(in_local, options.rank, bias=False, device=w.device, dtype=w.dtype)
-        lora_b = torch.nn.Linear(options.rank, out_local, bias=False, device=w.device, dtype=w.dtype)
+        own = dtype or w.dtype
+        lora_a = torch.nn.Linear(in_local, options.rank, bias=False, device=w.device, dtype=own)
+        lora_b = torch.nn.Linear(options.rank, out_local, bias=False, device=w.device, dtype=own)
         module.lora_A, module.lora_B = lora_a, lora_b
         with torch.no_grad():
             lora_a.weight.copy_(a)
@@ -191,15 +200,44 @@ def attach(model: torch.nn.Module, layout: ModelLayout, options: LoRAOptions) ->
             column=column,
             in_full=in_full,
             in_offset=0 if column else tp_rank * in_local,
-            mask=None if mask is None else mask.to(w.device, w.dtype),
+            mask=None if mask is None else mask.to(w.device, own),
             seed=seed + 1,
         )
         module.register_forward_hook(_hook(state, adapter))
         state.adapted[name] = (w, lora_a.weight, lora_b.weight, adapter)
     if not state.adapted:
         raise ValueError(f"LoRA target modules {options.target_modules!r} adapt no layer of this model")
+
+    def count(module, args) -> None:  # on the whole model: a recomputed layer does not run it again
+        state.forwards += 1
+
+    model.register_forward_pre_hook(count)
     model.__dict__[_ATTRIBUTE] = state
     return state
+
+
+class _StridedGrad(torch.autograd.Function):
+    """Identity; its gradient gets a standard layout.
+
+    megatron's linear with a frozen weight computes its input gradient as `grad.matmul(weight)`.
+    The output layer's gradient arrives as the transpose of a [1, T, V] tensor: [T, 1, V] with
+    strides (V, T * V, 1). torch counts that contiguous (the size-1 dimension's stride does not
+    matter), so `.contiguous()` keeps it, but matmul will not fold it into one [T, V] matrix and
+    broadcasts the weight to [T, V, H] instead: 21 GB and 35 s for 400 tokens of SmolLM2. (A
+    trainable weight takes megatron's other path, which reshapes the gradient itself.)"""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.clone(memory_format=torch.contiguous_format)  # strides from the sizes
+
+
+def _standard_strides(module, args, output):
+    out, bias = output
+    return (_StridedGrad.apply(out) if out.requires_grad else out), bias
 
 
 def _row_mask(kind: str, layout: ModelLayout, adapted: tuple[str, ...]) -> torch.Tensor | None:
@@ -235,7 +273,7 @@ def _hook(state: LoRAState, adapter: _Adapter):
         out, bias = output
         x = args[0]  # [..., in (/ tp)]
         if p and module.training:
-            x = adapter.dropout(x, p)
+            x = adapter.dropout(x, p, state.forwards)
         h = F.linear(x, module.lora_A.weight)  # [..., r]
         b = module.lora_B.weight if adapter.mask is None else module.lora_B.weight * adapter.mask[:, None]
         if adapter.column:

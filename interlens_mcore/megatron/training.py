@@ -51,6 +51,7 @@ class TrainingOptions:
     overlap_grad_reduce: bool = False  # megatron path: reduce buckets while backward runs
     overlap_param_gather: bool = False  # megatron path: gather updated weights in the next forward
     sequence_parallel: bool = False  # megatron path with TP > 1; token counts must divide by TP
+    recompute: bool = False  # activation checkpointing of every transformer layer
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -80,11 +81,36 @@ def model_overrides(options: TrainingOptions, *, path: TrainingPath, tp_size: in
     if path == "torch":
         return {}
     dtype = torch.bfloat16 if options.bf16 else torch.float32
+    recompute = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
     return {
         "bf16": options.bf16,
         "params_dtype": dtype,
         "sequence_parallel": options.sequence_parallel and tp_size > 1,
+        **(recompute if options.recompute else {}),
     }
+
+
+def recompute_layers(model: torch.nn.Module) -> None:
+    """Activation checkpointing on the "torch" path: each transformer layer's forward with
+    gradient runs under torch's non-reentrant `checkpoint`, which keeps the layer's input and
+    recomputes the rest in the backward. megatron's own recompute (the "megatron" path, through
+    `model_overrides`) saves and restores CUDA RNG states, so it needs CUDA. Forwards without
+    gradient (the engine's, the reference's) run as they are."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in model.modules():
+        if isinstance(layer, TransformerLayer):
+            layer.forward = _checkpointed(layer, layer.forward, checkpoint)
+
+
+def _checkpointed(layer: torch.nn.Module, forward, checkpoint):
+    def run(*args, **kwargs):
+        if not (torch.is_grad_enabled() and layer.training):
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
 
 
 def ddp_config(options: TrainingOptions):
@@ -246,6 +272,8 @@ def build_training(
         return Training(
             path=path, model=model, train_model=wrapped, optimizer=optimizer, dp_size=groups.dp_size
         )
+    if options.recompute:
+        recompute_layers(model)
     wrapped = model
     if groups.dp_size > 1:
         wrapped = torch.nn.parallel.DistributedDataParallel(model, process_group=groups.dp)

@@ -57,7 +57,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-
 def build(
     cfg: BackendConfig,
     trainer: TrainerConfig,
@@ -93,6 +92,7 @@ def build(
         reference=reference,
         vllm=vllm_config(cfg, 1),
         lora=lora_config(cfg),
+        recompute=cfg.recompute,
     )
     return backend, groups
 
@@ -238,6 +238,7 @@ class DeepSpeedBackend:
         reference: bool = False,
         vllm: VLLMConfig | None = None,
         lora: LoraConfig | None = None,
+        recompute: bool = False,
     ):
         from transformers import AutoModelForCausalLM
 
@@ -261,6 +262,8 @@ class DeepSpeedBackend:
         # it exactly, or gradients would leak into the next rollout's step
         self.micro_batches = int(ds_config.get("gradient_accumulation_steps", 1))
         model: Any = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        if recompute:  # transformers' checkpointing of each decoder layer, in training mode only
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.lora = lora
         if lora is not None:
             if vllm is not None:

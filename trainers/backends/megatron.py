@@ -79,6 +79,7 @@ def build(
         vllm=vllm_config(cfg, groups.tp_size),  # vLLM's TP group is the rollout group: the trainer's TP
         compute_dtype=torch.bfloat16 if cfg.bf16 else None,
         lora=lora_options(cfg),
+        recompute=cfg.recompute,
     )
     return backend, groups
 
@@ -125,6 +126,7 @@ class MegatronBackend:
         vllm: VLLMConfig | None = None,
         compute_dtype: torch.dtype | None = None,
         lora: LoRAOptions | None = None,
+        recompute: bool = False,
     ):
         self.groups, self.temperature, self.tokenizer = groups, temperature or 1.0, tokenizer
         # the policy's entropy at each position of its last forward (the `entropy` metric), no grad
@@ -134,10 +136,15 @@ class MegatronBackend:
         self.compute_dtype = compute_dtype  # autocast dtype of every forward (None: the weights')
         self.model_path = Path(model_path)  # an HF folder or a sharded megatron checkpoint
         self.layout_info = load_layout(self.model_path)
-        options = TrainingOptions(lr=lr, weight_decay=weight_decay, grad_clip=grad_clip)
+        options = TrainingOptions(lr=lr, weight_decay=weight_decay, grad_clip=grad_clip, recompute=recompute)
         self.path = choose_path()  # megatron's DDP and optimizer on GPU, torch's on CPU
         overrides = model_overrides(options, path=self.path, tp_size=self.layout_info.tp_size)
         self.params_dtype = overrides.pop("params_dtype", torch.float32)
+        if lora is not None and compute_dtype is not None and self.path == "torch":
+            # the frozen base never trains, so it needs no float32 copy: held in the compute dtype
+            # it takes half the memory, and autocast (which caches the casts of trainable weights
+            # only) does not cast every frozen weight again at every call
+            self.params_dtype = compute_dtype
         self.overrides = overrides
         if self.path == "megatron":
             from megatron.core import tensor_parallel
@@ -146,7 +153,9 @@ class MegatronBackend:
         self.lora = lora
         self.model = self._initial_model(trainable=True)
         if lora is not None:
-            megatron_lora.attach(self.model, self.layout_info, lora)  # freezes the base
+            # freezes the base; the adapters train in float32 under torch's AdamW
+            adapters = torch.float32 if self.path == "torch" else None
+            megatron_lora.attach(self.model, self.layout_info, lora, dtype=adapters)
         # with LoRA the reference is the base model under the adapters: nothing more to build
         self.reference = self._initial_model() if reference and lora is None else None
         self._adapters_off_reference = reference and lora is not None
