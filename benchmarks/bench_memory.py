@@ -1,6 +1,7 @@
-"""Memory of one training step: full fine-tuning against LoRA, with and without a KL reference.
+"""Memory of one training step: full fine-tuning against LoRA, with and without a KL reference,
+and with activation checkpointing (`--recompute`) off and on.
 
-    python benchmarks/bench_memory.py --models tiny,smollm2 --json
+    python benchmarks/bench_memory.py --models tiny,smollm2 --recompute --json
 
 Each configuration runs in a process of its own (one rank, gloo), so its high-water mark is its
 own: the backend is built as the trainer builds it, then one step of `--samples` trajectories of
@@ -41,7 +42,7 @@ def _resident_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def one(model: str, backend: str, lora_rank: int, reference: bool, args) -> dict:
+def one(model: str, backend: str, lora_rank: int, reference: bool, args, *, recompute: bool = False) -> dict:
     """This process: build the backend, run one step, report its memory."""
     import gc
 
@@ -59,7 +60,9 @@ def one(model: str, backend: str, lora_rank: int, reference: bool, args) -> dict
     distributed.init_distributed()  # a one-rank gloo world, as a plain `python` run gets
     path = ensure_smollm2() if model == "smollm2" else ensure_tiny_model()
     tok = AutoTokenizer.from_pretrained(path)
-    cfg = BackendConfig(backend=backend, model=str(path), zero_stage=1, lora_rank=lora_rank)
+    cfg = BackendConfig(
+        backend=backend, model=str(path), zero_stage=1, lora_rank=lora_rank, recompute=recompute
+    )
     trainer = TrainerConfig(lr=1e-5)
     be, _ = build_backend(
         cfg,
@@ -121,20 +124,28 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tokens", type=int, default=256, help="tokens per trajectory (half trained)")
     ap.add_argument("--micro-batch-size", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--recompute",
+        action="store_true",
+        help="also run each configuration with --recompute (activation checkpointing), as NAME+recompute",
+    )
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child: MODEL,CONFIG
     ap.add_argument("--json", action="store_true", help="print only the JSON line")
     args = ap.parse_args(argv)
     if args.one:
         model, name = args.one.split(",")
-        _, backend, rank, reference = next(c for c in CONFIGS if c[0] == name)
-        print(json.dumps(one(model, backend, rank, reference, args)), flush=True)
+        base, _, recompute = name.partition("+")
+        _, backend, rank, reference = next(c for c in CONFIGS if c[0] == base)
+        print(json.dumps(one(model, backend, rank, reference, args, recompute=bool(recompute))), flush=True)
         return {}
     results: dict = {}
     for model in args.models.split(","):
         results[model] = {}
-        for name in args.configs.split(","):
+        names = args.configs.split(",")
+        for name in names:
             if name not in {c[0] for c in CONFIGS}:
                 ap.error(f"--configs {name!r}: expected some of {', '.join(c[0] for c in CONFIGS)}")
+        for name in [*names, *(f"{n}+recompute" for n in names if args.recompute)]:
             cmd = [sys.executable, __file__, "--one", f"{model},{name}", *_child_args(args)]
             proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False)
             if proc.returncode != 0:

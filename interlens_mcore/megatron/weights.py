@@ -117,7 +117,8 @@ def megatron_to_hf(
         )
     dtype = stored_dtype(base)
     model, layout = load_model(base, params_dtype=dtype)
-    lora.attach(model, layout, lora.LoRAOptions(**_options(marker["lora"])))
+    # float32 adapters, as the trainer's CPU path holds them: the merge is the one its export makes
+    lora.attach(model, layout, lora.LoRAOptions(**_options(marker["lora"])), dtype=torch.float32)
     checkpoint.load(megatron_folder, model, layout)
     return export_hf(model, layout, megatron_folder, out_dir, dtype=dtype)
 
