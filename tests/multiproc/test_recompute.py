@@ -38,17 +38,21 @@ def _job(rank, world_size, tiny_path: str):
                     for n, p in sorted(backend.model.named_parameters()):
                         if n.endswith("lora_B.weight"):
                             p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+            calls = []  # a layer inside a transformer layer runs again when the layer is recomputed
+            fc2 = backend.model.decoder.layers[0].mlp.linear_fc2
+            fc2.register_forward_pre_hook(lambda module, args, calls=calls: calls.append(1))
             for _ in range(2):  # two forwards: the second draws other dropout masks
                 lp = backend.logprobs_of(batch)
                 loss = -(lp * batch.advantages * batch.loss_mask).sum() / batch.loss_mask.sum()
                 backend.backward(loss)
+            out[f"{name}_calls_{recompute}"] = len(calls)
             grads[recompute] = {
                 n: p.grad.clone() for n, p in backend.model.named_parameters() if p.grad is not None
             }
             del backend
             parallel_state.destroy_model_parallel()
         off, on = grads[False], grads[True]
-        out[name] = {
+        out[name] = out.get(name, {}) | {
             "same_names": sorted(off) == sorted(on) and len(off) > 0,
             "max_diff": max(float((off[k] - on[k]).abs().max()) for k in off),
             "max_grad": max(float(g.abs().max()) for g in off.values()),
@@ -62,3 +66,5 @@ def test_recompute_gives_the_same_gradients(tiny_path):
             assert r[name]["same_names"], name
             assert r[name]["max_grad"] > 0, name
             assert r[name]["max_diff"] == pytest.approx(0.0, abs=1e-6), (name, r[name])
+            # 2 forwards; with --recompute each layer ran again in each backward
+            assert (r[f"{name}_calls_False"], r[f"{name}_calls_True"]) == (2, 4), r
