@@ -15,8 +15,9 @@
 #   trainer   launch/train_grpo.py --backend megatron for 2 steps on the GPU: the whole trainer,
 #             which reaches megatron's DDP / optimizer once it builds them through
 #             interlens_mcore.megatron.training.
-#   trainer_lora  the same with --lora-rank 8: LoRA adapters on the local spec's parallel linears,
-#             only they in megatron's DDP and distributed optimizer, the reference with them off.
+#   trainer_lora  the same with --lora-rank 8 --recompute: LoRA adapters on the local spec's
+#             parallel linears, only they in megatron's DDP and distributed optimizer, the
+#             reference with them off, megatron's full recompute.
 # Exit status 0 when every part that exists passed.
 set -u
 cd "$(dirname "$0")/.."
@@ -40,7 +41,7 @@ fi
 part trainer 120 "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 launch/train_grpo.py \
     --backend megatron --steps 2 --output-dir "$OUT/trainer-run"
 part trainer_lora 120 "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 launch/train_grpo.py \
-    --backend megatron --lora-rank 8 --beta 0.1 --steps 2 --output-dir "$OUT/trainer_lora-run"
+    --backend megatron --lora-rank 8 --beta 0.1 --recompute --steps 2 --output-dir "$OUT/trainer_lora-run"
 
 "$PY" - "$OUT" <<'PYEOF'
 import json
