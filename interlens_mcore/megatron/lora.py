@@ -65,7 +65,7 @@ class LoRAOptions:
 
     rank: int
     alpha: float = 32.0
-    dropout: float = 0.0
+    dropout: float = 0.05  # as --lora-dropout (ms-swift's default)
     target_modules: str | tuple[str, ...] = "all-linear"
     seed: int = 0  # A's initialisation and the dropout masks
 
