@@ -335,6 +335,14 @@ class BackendConfig:
         },
     )
 
+    vllm_lora: Literal["auto", "merged", "adapter"] = field(
+        default="auto",
+        metadata={
+            "help": "with --engine vllm and --lora-rank: how the adapters reach vLLM after each update: "
+            "merged (W + alpha/rank * B A streamed as whole weights; megatron), adapter (the adapters "
+            "alone, through vLLM's LoRA path, enable_lora); auto: merged on megatron, adapter on deepspeed"
+        },
+    )
     lora_rank: int = field(
         default=0,
         metadata={
@@ -387,18 +395,20 @@ class BackendConfig:
             )
         if not self.lora_rank:
             defaults = {f.name: f.default for f in dataclasses.fields(self)}
-            for name in ("lora_alpha", "lora_dropout", "lora_target_modules"):
+            for name in ("lora_alpha", "lora_dropout", "lora_target_modules", "vllm_lora"):
                 if getattr(self, name) != defaults[name]:
                     raise ValueError(
                         f"BackendConfig.{name} shapes LoRA adapters: give BackendConfig.lora_rank > 0"
                     )
             return
-        if self.engine != "native" and self.backend != "megatron":
-            # the megatron backend hands vLLM the merged weights (W + scale * B A) after each update
+        if self.vllm_lora != "auto" and self.engine == "native":
             raise ValueError(
-                f"BackendConfig.lora_rank {self.lora_rank}: with --engine {self.engine} the adapters would "
-                "have to reach vLLM, which the deepspeed backend does not do yet; use --engine native, "
-                "or --backend megatron (it syncs the merged weights)"
+                f"BackendConfig.vllm_lora {self.vllm_lora!r} says how adapters reach vLLM: give --engine vllm"
+            )
+        if self.vllm_lora == "merged" and self.backend != "megatron":
+            raise ValueError(
+                f"BackendConfig.vllm_lora 'merged': the {self.backend} backend hands vLLM its adapters "
+                "(--vllm-lora adapter); merged weights come from --backend megatron"
             )
         if not (math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
             raise ValueError(f"BackendConfig.lora_alpha must be a finite number > 0, got {self.lora_alpha}")

@@ -29,6 +29,11 @@ After every optimizer step, on every rank that holds a vLLM (weight_sync.py):
   lockstep, unlike `HFEngine` under ZeRO-3.
 - Anything else: `engine.update_weights(hf_tensors(model))`.
 
+LoRA runs either way: the merged weights (W + scale * B A) through `update_weights`, or the
+adapters alone through vLLM's LoRA path (`VLLMConfig(max_lora_rank=R)` turns `enable_lora` on):
+`engine.load_adapter(folder)` with a peft `save_pretrained` folder; every later generate call
+runs under that adapter, and the base weights stay as they were.
+
 The GRPO trainer does all of this with `--engine vllm` (`trainers.backends.colocated_vllm`): it
 syncs once after each rollout's optimizer steps and records the time as `weight_sync_s`.
 
@@ -46,6 +51,7 @@ import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -57,6 +63,7 @@ from .weight_sync import SyncReport, counted
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from vllm import LLM
+    from vllm.lora.request import LoRARequest
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,6 +79,7 @@ class VLLMConfig:
     enforce_eager: bool = True  # no graph capture: starts in seconds (CPU, tests)
     enable_prefix_caching: bool = True
     seed: int = 0
+    max_lora_rank: int = 0  # > 0: vLLM's LoRA path on (`load_adapter`), adapters up to this rank
     extra: dict[str, object] = field(default_factory=dict)  # any other `LLM` keyword argument
 
     def __post_init__(self) -> None:
@@ -81,6 +89,8 @@ class VLLMConfig:
             raise ValueError(
                 f"VLLMConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        if self.max_lora_rank:
+            vllm_lora_rank(self.max_lora_rank)
 
     def llm_kwargs(self) -> dict[str, object]:
         kwargs: dict[str, object] = dict(
@@ -98,6 +108,9 @@ class VLLMConfig:
         )
         if self.max_model_len is not None:
             kwargs["max_model_len"] = self.max_model_len
+        if self.max_lora_rank > 0:
+            # one adapter at a time: each update replaces the one before
+            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_lora_rank(self.max_lora_rank))
         if self.colocated:
             kwargs["distributed_executor_backend"] = "external_launcher"
         return kwargs | self.extra
@@ -112,7 +125,8 @@ class VLLMEngine:
     max_context: int = 0  # 0: vLLM's max_model_len
     group: ProcessGroup | None = None  # this vLLM's TP group when > 1 (rows are gathered over it)
     stats: EngineStats = field(default_factory=EngineStats)
-    syncs: list[SyncReport] = field(default_factory=list)  # one per update_weights call
+    syncs: list[SyncReport] = field(default_factory=list)  # one per update_weights / load_adapter call
+    adapter: LoRARequest | None = None  # the adapter every generate call runs under (load_adapter)
 
     def __post_init__(self) -> None:
         config = self.llm.llm_engine.model_config
@@ -167,7 +181,9 @@ class VLLMEngine:
         prompts = [TokensPrompt(prompt_token_ids=list(requests[i].prompt_ids)) for i in live]
         params = [_vllm_params(requests[i], caps[i]) for i in live]
         t0 = time.perf_counter()
-        results = self.llm.generate(prompts, params, use_tqdm=False) if live else []
+        results = (
+            self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.adapter) if live else []
+        )
         self.stats.forward_s += time.perf_counter() - t0
         self.stats.forwards += 1
         out = [Generation(token_ids=[], logprobs=[], finish_reason="length") for _ in requests]
@@ -188,6 +204,36 @@ class VLLMEngine:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
         self.llm.reset_prefix_cache()  # cached keys/values belong to the old weights
         report = SyncReport(seconds=time.perf_counter() - t0, tensors=tally[0], bytes=tally[1])
+        self.syncs.append(report)
+        return report
+
+    def load_adapter(self, folder: str | Path) -> SyncReport:
+        """Load the LoRA adapter in `folder` (peft's `save_pretrained` layout) for every later
+        generate call, replacing the one before; vLLM built with `VLLMConfig.max_lora_rank`.
+
+        The folder is read here, once: it may be rewritten or deleted as soon as this returns.
+        Colocated under TP, every rank of the group calls it with the same adapter (each loads its
+        own slice). Returns the timing (tensors and bytes: the adapter's safetensors file).
+        """
+        from vllm.lora.request import LoRARequest
+
+        if not self.llm.llm_engine.vllm_config.lora_config:
+            raise ValueError(
+                f"load_adapter({str(folder)!r}): this vLLM was built without LoRA; "
+                "build it with VLLMConfig(max_lora_rank=R)"
+            )
+        t0 = time.perf_counter()
+        tensors, size = _adapter_size(Path(folder))
+        previous = self.adapter
+        number = 1 + (previous.lora_int_id if previous is not None else 0)
+        # a new id each time: vLLM caches adapters by id, and this one has new weights
+        request = LoRARequest(f"{self.name}-adapter-{number}", number, str(Path(folder).resolve()))
+        self.llm.llm_engine.add_lora(request)
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+        self.adapter = request
+        self.llm.reset_prefix_cache()
+        report = SyncReport(seconds=time.perf_counter() - t0, tensors=tensors, bytes=size)
         self.syncs.append(report)
         return report
 
@@ -219,6 +265,35 @@ class VLLMEngine:
         groups already gone and raised `Invalid process group specified` on every rank.
         """
         self.llm.llm_engine.engine_core.shutdown()
+
+
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's `max_lora_rank` values
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest `max_lora_rank` vLLM accepts that holds adapters of rank `rank`."""
+    for allowed in _VLLM_LORA_RANKS:
+        if rank <= allowed:
+            return allowed
+    raise ValueError(
+        f"VLLMConfig.max_lora_rank {rank}: vLLM's LoRA path takes adapters of rank up to "
+        f"{_VLLM_LORA_RANKS[-1]}; sync merged weights instead"
+    )
+
+
+def _adapter_size(folder: Path) -> tuple[int, int]:
+    """(tensors, bytes) of the adapter in `folder`; ValueError when it is not peft's layout."""
+    from safetensors import safe_open
+
+    weights, config = folder / "adapter_model.safetensors", folder / "adapter_config.json"
+    if not (weights.is_file() and config.is_file()):
+        raise ValueError(
+            f"load_adapter({str(folder)!r}): expected peft's save_pretrained layout "
+            "(adapter_config.json and adapter_model.safetensors)"
+        )
+    with safe_open(str(weights), "pt") as f:
+        keys = list(f.keys())
+    return len(keys), weights.stat().st_size
 
 
 def _vllm_params(r: GenerationRequest, cap: int):

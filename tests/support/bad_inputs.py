@@ -624,6 +624,17 @@ SECTIONS: list[tuple[str, list[Refusal]]] = [
                 "or all-linear",
             ),
             Refusal(
+                "merged weights from the deepspeed backend",
+                ("--backend", "deepspeed", "--lora-rank", "8", "--engine", "vllm", "--vllm-lora", "merged"),
+                "--vllm-lora 'merged': the deepspeed backend hands vLLM its adapters (--vllm-lora adapter); "
+                "merged weights come from --backend megatron",
+            ),
+            Refusal(
+                "an adapter sync without vLLM",
+                ("--backend", "megatron", "--lora-rank", "8", "--vllm-lora", "adapter"),
+                "--vllm-lora 'adapter' says how adapters reach vLLM: give --engine vllm",
+            ),
+            Refusal(
                 "a reference that would move",
                 ("--backend", "deepspeed", "--lora-rank", "8", "--beta", "0.1", "--sync-ref-model"),
                 "--sync-ref-model moves the KL reference, and with --lora-rank 8 the reference is the base "

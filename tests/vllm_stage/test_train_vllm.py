@@ -17,13 +17,17 @@ pytest.importorskip(
     "vllm", reason="vLLM is not installed here; its tests run in the environment .ci/vllm_stage.sh builds"
 )
 
+LORA = ["--lora-rank", "8", "--lora-dropout", "0"]  # no dropout: the trainer's logprobs are vLLM's
 BACKENDS = {
     "megatron": ["--backend", "megatron"],
     "megatron-tp2": ["--backend", "megatron", "--tp", "2"],  # one vLLM of TP 2 over both ranks
     # LoRA adapters reach vLLM merged into their weights after each step
     "megatron-tp2-lora": ["--backend", "megatron", "--tp", "2", "--lora-rank", "8", "--lora-dropout", "0"],
+    # the adapters alone, through vLLM's LoRA path (enable_lora)
+    "megatron-tp2-lora-adapter": [*LORA, "--backend", "megatron", "--tp", "2", "--vllm-lora", "adapter"],
     "deepspeed-zero1": ["--backend", "deepspeed", "--zero-stage", "1"],
     "deepspeed-zero3": ["--backend", "deepspeed", "--zero-stage", "3"],
+    "deepspeed-zero3-lora": [*LORA, "--backend", "deepspeed", "--zero-stage", "3"],  # auto: the adapter path
 }
 
 

@@ -1,5 +1,5 @@
 """Weights reach a colocated vLLM from both training backends, on 2 gloo ranks (2 x vLLM TP=1);
-megatron's LoRA adapters reach it merged.
+megatron's LoRA adapters reach it merged, or alone through vLLM's LoRA path.
 
 After the update, vLLM's greedy tokens are those of the HF model holding the same weights:
 from a megatron-core GPTModel at TP=2 (shards gathered, fused QKV / gate-up split back; the
@@ -39,11 +39,15 @@ def _hf_greedy(path: str, state: dict) -> list[list[int]]:
     return _greedy(HFEngine(model.eval(), AutoTokenizer.from_pretrained(path)))
 
 
-def _vllm(path: str):
+def _vllm(path: str, max_lora_rank: int = 0):
     from interlens_mcore.engines.vllm import VLLMConfig, VLLMEngine
 
     config = VLLMConfig(
-        tensor_parallel_size=1, dtype="float32", max_model_len=128, enable_prefix_caching=True
+        tensor_parallel_size=1,
+        dtype="float32",
+        max_model_len=128,
+        enable_prefix_caching=True,
+        max_lora_rank=max_lora_rank,
     )
     return VLLMEngine.create(path, config)
 
@@ -70,7 +74,7 @@ def _megatron_job(rank, world, path):
     return {"before": before, "after": after, "hf": _hf_greedy(path, state), "tensors": report.tensors}
 
 
-def _megatron_lora_job(rank, world, path, adapter_dir):
+def _megatron_lora_job(rank, world, path, adapter_dir, via):
     import torch
     from megatron.core import parallel_state
     from peft import PeftModel
@@ -88,22 +92,36 @@ def _megatron_lora_job(rank, world, path, adapter_dir):
     load_hf_weights(model, layout, path)
     options = LoRAOptions(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "linear_fc1", "down_proj"))
     attach(model, layout, options)
-    engine = _vllm(path)
+    engine = _vllm(path, max_lora_rank=options.rank if via == "adapter" else 0)
     before = _greedy(engine)
     gen = torch.Generator().manual_seed(0)  # the same draws on both ranks: B's whole copies agree
-    with torch.no_grad():  # "trained" adapters: B away from zero
-        for name, p in sorted(model.named_parameters()):
-            if name.endswith("lora_B.weight"):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-    report = engine.update_weights(megatron_hf_tensors(model, layout))  # the merged weights
-    after = _greedy(engine)
-    adapters = gather_adapter_state_dict(model, layout)
-    if rank == 0:
-        save_peft(adapter_dir, adapters, options, base_model=path)
-    torch.distributed.barrier()
-    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), adapter_dir)
-    hf = _greedy(HFEngine(peft_model.eval(), AutoTokenizer.from_pretrained(path)))
-    return {"before": before, "after": after, "hf": hf, "tensors": report.tensors}
+
+    def train_and_sync(step: int):
+        with torch.no_grad():  # "trained" adapters: B away from zero
+            for name, p in sorted(model.named_parameters()):
+                if name.endswith("lora_B.weight"):
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+        adapters = gather_adapter_state_dict(model, layout)
+        if via == "merged":
+            report = engine.update_weights(megatron_hf_tensors(model, layout))
+        else:  # each rank hands its own vLLM its own copy, as the trainer does
+            report = engine.load_adapter(
+                save_peft(f"{adapter_dir}-{step}-r{rank}", adapters, options, base_model=path)
+            )
+        after = _greedy(engine)
+        if rank == 0:
+            save_peft(f"{adapter_dir}-{step}", adapters, options, base_model=path)
+        torch.distributed.barrier()
+        base = AutoModelForCausalLM.from_pretrained(path)
+        peft_model = PeftModel.from_pretrained(base, f"{adapter_dir}-{step}")
+        return after, _greedy(HFEngine(peft_model.eval(), AutoTokenizer.from_pretrained(path))), report
+
+    after, hf, report = train_and_sync(0)
+    out = {"before": before, "after": after, "hf": hf, "tensors": report.tensors}
+    if via == "adapter":  # a second update replaces the first adapter
+        out["after2"], out["hf2"], _ = train_and_sync(1)
+        out["adapter"] = engine.adapter.lora_int_id
+    return out
 
 
 def _zero3_job(rank, world, path):
@@ -149,15 +167,35 @@ def test_megatron_tp2_weights_reach_vllm():
     assert results[0]["tensors"] == 2 + 1 + 2 * 9  # embeddings, lm_head, final norm, 9 per layer
 
 
+def _tiny_llama():
+    from interlens_mcore.assets import ensure_tiny_model
+
+    return ensure_tiny_model(arch="llama", vocab_size=515, tie_word_embeddings=False, initializer_range=0.1)
+
+
 def test_megatron_lora_tp2_merged_weights_reach_vllm(tmp_path):
     # vLLM generates with the merged weights what peft's model with the exported adapter does
     pytest.importorskip("peft", reason="the adapter is checked through peft's PeftModel")
-    from interlens_mcore.assets import ensure_tiny_model
-
-    path = ensure_tiny_model(arch="llama", vocab_size=515, tie_word_embeddings=False, initializer_range=0.1)
-    results = run_ranks(_megatron_lora_job, 2, str(path), str(tmp_path / "adapter"), timeout=600)
+    results = run_ranks(
+        _megatron_lora_job, 2, str(_tiny_llama()), str(tmp_path / "adapter"), "merged", timeout=600
+    )
     _check(results)
     assert results[0]["tensors"] == 2 + 1 + 2 * 9  # the merged model's names: no adapter tensor
+
+
+def test_megatron_lora_tp2_adapter_reaches_vllm_through_its_lora_path(tmp_path):
+    # the adapters alone, loaded by vLLM's LoRA path (enable_lora) over its unchanged base weights:
+    # its greedy tokens are peft's with the same adapter, after a first update and a second one
+    pytest.importorskip("peft", reason="the adapter is checked through peft's PeftModel")
+    results = run_ranks(
+        _megatron_lora_job, 2, str(_tiny_llama()), str(tmp_path / "adapter"), "adapter", timeout=600
+    )
+    _check(results)
+    for r in results:
+        assert r["after2"] == r["hf2"] and r["after2"] != r["after"]
+        assert r["adapter"] == 2  # the second adapter replaced the first
+    # peft's A and B of q, v, gate, up (megatron's fc1) and down, in 2 layers
+    assert results[0]["tensors"] == 2 * 5 * 2
 
 
 def test_zero3_weights_reach_vllm(tiny_path):

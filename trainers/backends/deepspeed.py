@@ -266,8 +266,11 @@ class DeepSpeedBackend:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.lora = lora
         if lora is not None:
-            if vllm is not None:
-                raise ValueError("LoRA adapters do not reach a colocated vLLM yet: use the native engine")
+            if vllm is not None and vllm.max_lora_rank < lora.r:
+                raise ValueError(
+                    f"LoRA adapters of rank {lora.r} reach a colocated vLLM through its LoRA path: build it "
+                    f"with VLLMConfig(max_lora_rank={lora.r}) (--vllm-lora adapter)"
+                )
             from peft import get_peft_model
 
             model = get_peft_model(model, lora)
@@ -287,7 +290,12 @@ class DeepSpeedBackend:
                 )
             gather = zero3_hf_tensors if self.zero_stage == 3 else hf_tensors
             self.colocated = ColocatedVLLM(
-                self.model_path, vllm, group=None, tensors=lambda: gather(self.ds.module)
+                self.model_path,
+                vllm,
+                group=None,
+                tensors=lambda: gather(self.ds.module),
+                # with LoRA the base weights vLLM loaded from --model never change: adapters alone
+                adapter=(lambda folder: self._write_adapter(folder, every_rank=True)) if lora else None,
             )
             self.engine: Engine = self.colocated.engine
         else:
@@ -444,8 +452,11 @@ class DeepSpeedBackend:
         self.sync_engine_weights()  # a resumed run generates with the weights it resumes from
 
     def _save_adapter(self, folder: Path) -> None:
-        """The adapters in peft's layout (safetensors), by rank 0; under ZeRO-3 gathered first
-        (collective over the DP group)."""
+        self._write_adapter(folder, every_rank=False)
+
+    def _write_adapter(self, folder: Path, *, every_rank: bool) -> None:
+        """The adapters in peft's layout (safetensors), by rank 0 (a checkpoint's) or by every rank
+        (each for its own vLLM); under ZeRO-3 gathered first (collective over the DP group)."""
         module = self.ds.module
         adapters = [p for p in module.parameters() if p.requires_grad]
         if self.zero_stage == 3:
@@ -455,7 +466,7 @@ class DeepSpeedBackend:
         else:
             gathered = contextlib.nullcontext()
         with gathered:
-            if distributed.rank() == 0:
+            if every_rank or distributed.rank() == 0:
                 module.save_pretrained(folder, safe_serialization=True)
 
     def export_hf(self, out_dir: str | Path) -> Path:

@@ -170,11 +170,17 @@ class MegatronBackend:
                     f"VLLMConfig.tensor_parallel_size {vllm.tensor_parallel_size} must equal the "
                     f"trainer's TP {groups.tp_size}: vLLM's TP group is the rollout group"
                 )
+            adapter = None
+            if vllm.max_lora_rank > 0:  # the adapters through vLLM's LoRA path, over the base weights
+                if lora is None:
+                    raise ValueError("VLLMConfig.max_lora_rank > 0 loads LoRA adapters: give lora=")
+                adapter = self._write_adapter
             self.colocated = ColocatedVLLM(
                 self.model_path,
                 vllm,
                 group=groups.rollout,
-                tensors=lambda: megatron_hf_tensors(self.model, self.layout_info),
+                tensors=self._base_tensors if adapter else self._hf_tensors,
+                adapter=adapter,
             )
             self.engine = self.colocated.engine
         else:
@@ -342,6 +348,21 @@ class MegatronBackend:
         if self.lora is not None:
             self._save_adapter(Path(out) / ADAPTER_DIR)
         return out
+
+    def _hf_tensors(self):
+        """The HF weights a vLLM sync streams (merged with the adapters when LoRA is on); collective."""
+        return megatron_hf_tensors(self.model, self.layout_info)
+
+    def _base_tensors(self):
+        """The base weights alone (vLLM with its own LoRA path gets the adapters apart); collective."""
+        with megatron_lora.adapters_off(self.model):
+            return list(megatron_hf_tensors(self.model, self.layout_info))
+
+    def _write_adapter(self, folder: Path) -> None:
+        """This rank's copy of the whole adapters in peft's layout (for its vLLM); collective over TP."""
+        assert self.lora is not None, "only a LoRA backend has adapters"
+        tensors = gather_adapter_state_dict(self.model, self.layout_info)
+        megatron_lora.save_peft(folder, tensors, self.lora, base_model=str(self.model_path))
 
     def _save_adapter(self, folder: Path) -> None:
         """The adapters as peft's `save_pretrained` writes them, loadable by
