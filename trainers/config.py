@@ -292,7 +292,14 @@ class BackendConfig:
         },
     )
     tp: int = field(default=1, metadata={"help": "tensor-parallel size (megatron); may change on --resume"})
-    pp: int = field(default=1, metadata={"help": "pipeline-parallel size (only 1 yet: docs/parallelism.md)"})
+    pp: int = field(
+        default=1,
+        metadata={
+            "help": "pipeline-parallel size (megatron backend, CPU path: megatron's 1F1B schedule; not yet "
+            "with --engine vllm, --lora-rank, --export-hf or an entropy term: docs/parallelism.md); may "
+            "change on --resume"
+        },
+    )
     cp: int = field(default=1, metadata={"help": "context-parallel size (only 1 yet: docs/parallelism.md)"})
     zero_stage: Literal[1, 2, 3] = field(default=3, metadata={"help": "DeepSpeed ZeRO stage"})
     engine: Literal["native", "vllm"] = field(
@@ -371,6 +378,10 @@ class BackendConfig:
             raise ValueError(f"BackendConfig.backend {self.backend!r}: expected one of {', '.join(BACKENDS)}")
         if self.tp < 1:
             raise ValueError(f"BackendConfig.tp must be >= 1, got {self.tp}")
+        if self.pp < 1:
+            raise ValueError(f"BackendConfig.pp must be >= 1, got {self.pp}")
+        if self.pp > 1:
+            self._check_pipelined()
         if self.backend == "deepspeed" and self.tp != 1:
             raise ValueError(
                 f"BackendConfig.tp {self.tp}: the deepspeed backend has no tensor parallelism (use --tp 1)"
@@ -387,6 +398,22 @@ class BackendConfig:
                 "BackendConfig.vllm_gpu_memory_utilization must be in (0, 1], "
                 f"got {self.vllm_gpu_memory_utilization}"
             )
+
+    def _check_pipelined(self) -> None:
+        if self.backend != "megatron":
+            raise ValueError(
+                f"BackendConfig.pp {self.pp}: the {self.backend} backend has no pipeline parallelism "
+                "(use --pp 1, or --backend megatron)"
+            )
+        for name, on, what in (
+            ("engine", self.engine != "native", "per-stage weight gathering into vLLM"),
+            ("lora_rank", self.lora_rank > 0, "adapters over pipeline stages"),
+        ):
+            if on:
+                raise ValueError(
+                    f"BackendConfig.pp {self.pp} with BackendConfig.{name} {getattr(self, name)}: not built "
+                    f"yet ({what}); use --pp 1"
+                )
 
     def _check_lora(self) -> None:
         if self.lora_rank < 0:

@@ -433,15 +433,18 @@ class GRPOTrainer:
                 t.infos.success = float(success)
 
     def share_over_tp(self, rollout: Rollout) -> Rollout:
-        """Under TP every rank of a TP group trains on the same samples: the group's union.
+        """Under TP (and PP) every rank of a model-parallel group trains on the same samples: the
+        group's union.
 
         Conversations stay local (they hold engines, which hold process groups), and so do the
         rows (a task may hold an unpicklable environment): rewards are already set.
         """
-        if self.groups.tp_size == 1:
+        pipelined = self.groups.pp is not None and distributed.world_size(self.groups.pp) > 1
+        if not pipelined and self.groups.tp_size == 1:
             return rollout
+        group = self.groups.rollout if pipelined else self.groups.tp  # megatron's rollout: TP x PP
         mine = (rollout.trajectories, rollout.advantages, rollout.keep)
-        parts = distributed.all_gather_object(mine, group=self.groups.tp)
+        parts = distributed.all_gather_object(mine, group=group)
         trajectories = [t for p in parts for t in p[0]]
         return Rollout(
             trajectories=trajectories,

@@ -33,6 +33,7 @@ RESUMABLE = {
     "export_hf",
     "save_on_signal",
     "tp",  # checkpoints are sharded and reshard: a run saved at TP=2 resumes at TP=1
+    "pp",  # and across pipeline stages: a run saved at PP=2 resumes at PP=1
     # what a step does with failed samples: a run that --max-failed-fraction ended may resume
     # with a higher limit, or with --on-sample-error raise to see the first failure
     "max_failed_fraction",

@@ -253,17 +253,12 @@ def destroy() -> None:
 
 
 def check_layout(*, tp: int, pp: int = 1, cp: int = 1, world: int | None = None) -> None:
-    """ValueError naming the flag for a parallel layout the trainers cannot run yet.
+    """ValueError naming the flag for a parallel layout the trainers cannot run.
 
-    Pipeline and context parallelism are described in docs/parallelism.md and refused until
-    they are tested. Imports nothing of megatron, so a launcher can call it first.
+    Context parallelism is described in docs/parallelism.md and refused until it is built.
+    Imports nothing of megatron, so a launcher can call it first.
     """
     world = world_size() if world is None else world
-    if pp != 1:
-        raise ValueError(
-            f"--pp {pp}: pipeline parallelism is not supported yet (docs/parallelism.md says how it "
-            "would fit); use --pp 1"
-        )
     if cp != 1:
         raise ValueError(
             f"--cp {cp}: context parallelism is not supported yet (docs/parallelism.md says how it "
@@ -271,6 +266,8 @@ def check_layout(*, tp: int, pp: int = 1, cp: int = 1, world: int | None = None)
         )
     if tp < 1 or world % tp:
         raise ValueError(f"--tp {tp} does not divide the world size {world}")
+    if pp < 1 or world % (tp * pp):
+        raise ValueError(f"--tp {tp} x --pp {pp} does not divide the world size {world}")
 
 
 def launcher_store(*, timeout_s: float = 60.0) -> dist.TCPStore | None:

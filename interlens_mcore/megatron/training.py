@@ -163,9 +163,16 @@ class Training:
     tp_group: ProcessGroup | None = None
     tp_shards: frozenset[int] = frozenset()  # ids of TP-sliced parameters ("torch" path)
     grad_clip: float = 1.0
+    # pipeline parallelism ("torch" path): no DDP wrapper (megatron's schedule runs the stage's
+    # backward itself); `step` sums the gradients over `dp_group` and the norm over `pp_group`,
+    # counting the last stage's copy of a tied embedding (`tied_copy`) once
+    pp_group: ProcessGroup | None = None
+    dp_group: ProcessGroup | None = None
+    tied_copy: int | None = None  # id of the last stage's output weight when it is the embedding
 
     def backward(self, loss: torch.Tensor) -> None:
         # DDP averages over DP, but the loss is already divided by global counts
+        # (under PP megatron's schedule runs the backward, and `step` sums over DP instead)
         loss = loss * self.dp_size
         if self.path == "megatron":
             # a CUDA tensor; the loss may come from the CPU
@@ -177,6 +184,12 @@ class Training:
         """Clip, step, zero the gradients; the global gradient norm (NaN / inf: skipped)."""
         if self.path == "megatron":
             return self._megatron_step()
+        if self.pp_group is not None and self.dp_size > 1:
+            # what DDP does at PP=1, after the schedule: the sum over DP of losses already divided
+            # by global token counts (the schedule's loss is not multiplied by the DP size)
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    distributed.all_reduce(p.grad, "sum", self.dp_group)
         norm = float(self.grad_norm())
         if math.isfinite(norm):
             # as torch's clip_grad_norm_: scale only when over the limit, 1e-6 guards a zero norm
@@ -219,7 +232,7 @@ class Training:
         shard = torch.zeros((), dtype=torch.float64, device=device)
         copy = torch.zeros((), dtype=torch.float64, device=device)
         for p in self.model.parameters():
-            if p.grad is None:
+            if p.grad is None or id(p) == self.tied_copy:
                 continue
             sq = p.grad.detach().double().square().sum()
             if id(p) in self.tp_shards:
@@ -227,7 +240,10 @@ class Training:
             else:
                 copy += sq
         tp = distributed.world_size(self.tp_group)
-        return distributed.all_reduce(shard + copy / tp, "sum", self.tp_group).sqrt()
+        total = distributed.all_reduce(shard + copy / tp, "sum", self.tp_group)
+        if self.pp_group is not None:  # each stage holds its own layers
+            total = distributed.all_reduce(total, "sum", self.pp_group)
+        return total.sqrt()
 
 
 def tp_sharded(model: torch.nn.Module) -> frozenset[int]:
@@ -274,9 +290,16 @@ def build_training(
         )
     if options.recompute:
         recompute_layers(model)
+    from .stages import pipeline_size, stage
+
+    pipelined = pipeline_size() > 1
     wrapped = model
-    if groups.dp_size > 1:
+    if groups.dp_size > 1 and not pipelined:
         wrapped = torch.nn.parallel.DistributedDataParallel(model, process_group=groups.dp)
+    tied_copy = None
+    tied = getattr(model, "share_embeddings_and_output_weights", False)
+    if pipelined and tied and stage() == (False, True):
+        tied_copy = id(model.shared_embedding_or_output_weight())  # type: ignore[operator]
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad],  # with LoRA: the adapters alone
         lr=options.lr,
@@ -293,4 +316,7 @@ def build_training(
         tp_group=groups.tp if groups.tp is not None else distributed.megatron_tp_group(),
         tp_shards=tp_sharded(model),
         grad_clip=options.grad_clip,
+        pp_group=groups.pp if pipelined else None,
+        dp_group=groups.dp,
+        tied_copy=tied_copy,
     )

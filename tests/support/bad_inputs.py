@@ -207,10 +207,22 @@ SECTIONS: list[tuple[str, list[Refusal]]] = [
                 env=(("WORLD_SIZE", "4"),),
             ),
             Refusal(
-                "pipeline parallelism",
+                "a pipeline longer than the world",
                 ("--pp", "2"),
-                "--pp 2: pipeline parallelism is not supported yet (docs/parallelism.md says how it would "
-                "fit); use --pp 1",
+                "--tp 1 x --pp 2 does not divide the world size 1",
+            ),
+            Refusal(
+                "pipeline parallelism on the deepspeed backend",
+                ("--backend", "deepspeed", "--pp", "2"),
+                "--pp 2: the deepspeed backend has no pipeline parallelism (use --pp 1, or --backend "
+                "megatron)",
+                env=(("WORLD_SIZE", "2"),),
+            ),
+            Refusal(
+                "pipeline parallelism with LoRA",
+                ("--pp", "2", "--lora-rank", "8"),
+                "--pp 2 with --lora-rank 8: not built yet (adapters over pipeline stages); use --pp 1",
+                env=(("WORLD_SIZE", "2"),),
             ),
             Refusal(
                 "a hub id as `--model` (nothing is downloaded)",

@@ -37,7 +37,7 @@ from interlens_mcore.grpo.logprobs import (
     vocab_parallel_token_entropy,
     vocab_parallel_token_logprobs,
 )
-from interlens_mcore.megatron import build_model, export_hf, forward_logits, load_layout
+from interlens_mcore.megatron import build_model, export_hf, forward_logits, load_layout, pipeline
 from interlens_mcore.megatron import checkpoint as megatron_checkpoint
 from interlens_mcore.megatron import lora as megatron_lora
 from interlens_mcore.megatron.convert import gather_adapter_state_dict
@@ -45,6 +45,7 @@ from interlens_mcore.megatron.engine import MegatronEngine
 from interlens_mcore.megatron.lora import LoRAOptions
 from interlens_mcore.megatron.model import compute_autocast, vocab_start
 from interlens_mcore.megatron.spec import SpecKind
+from interlens_mcore.megatron.stages import pipeline_size
 from interlens_mcore.megatron.training import TrainingOptions, build_training, choose_path, model_overrides
 from interlens_mcore.megatron.weights import copy_hf_files, load_weights
 
@@ -65,7 +66,7 @@ def build(
     micro_batch_size: int,
 ) -> tuple[MegatronBackend, distributed.ParallelGroups]:
     """`base.BackendBuilder` for `--backend megatron`: megatron's TP x DP split, then the model."""
-    distributed.init_megatron(cfg.tp, timeout_s=trainer.collective_timeout_s)
+    distributed.init_megatron(cfg.tp, pp=cfg.pp, timeout_s=trainer.collective_timeout_s)
     groups = distributed.build_groups(rollout="model_parallel", vote_timeout_s=trainer.collective_timeout_s)
     backend = MegatronBackend(
         model_path=model_path,
@@ -82,6 +83,19 @@ def build(
         recompute=cfg.recompute,
     )
     return backend, groups
+
+
+def _check_pipelined(*, path: str, vllm: VLLMConfig | None, lora: LoRAOptions | None) -> None:
+    """ValueError naming what pipeline parallelism cannot run with yet."""
+    if path != "torch":
+        raise ValueError(
+            "--pp > 1 trains through megatron's schedule on the CPU path only so far; on GPU its DDP "
+            "and distributed optimizer over stages are not built yet (use --pp 1)"
+        )
+    if vllm is not None:
+        raise ValueError("--pp > 1 with --engine vllm: per-stage weight gathering is not built yet (--pp 1)")
+    if lora is not None:
+        raise ValueError("--pp > 1 with --lora-rank: adapters over stages are not built yet; use --pp 1")
 
 
 def lora_options(cfg: BackendConfig) -> LoRAOptions | None:
@@ -138,6 +152,14 @@ class MegatronBackend:
         self.layout_info = load_layout(self.model_path)
         options = TrainingOptions(lr=lr, weight_decay=weight_decay, grad_clip=grad_clip, recompute=recompute)
         self.path = choose_path()  # megatron's DDP and optimizer on GPU, torch's on CPU
+        self.pp = pipeline_size()
+        if self.pp > 1:
+            _check_pipelined(path=self.path, vllm=vllm, lora=lora)
+        # under PP: (batch, d loss / d logprobs) of each backward, run through megatron's schedule
+        # at the optimizer step (see `backward`)
+        self._deferred: list[tuple[TrainingBatch, torch.Tensor]] = []
+        # the batch and logprobs the next backward differentiates
+        self._pending: tuple[TrainingBatch, torch.Tensor] | None = None
         overrides = model_overrides(options, path=self.path, tp_size=self.layout_info.tp_size)
         self.params_dtype = overrides.pop("params_dtype", torch.float32)
         if lora is not None and compute_dtype is not None and self.path == "torch":
@@ -253,6 +275,8 @@ class MegatronBackend:
     def _logprobs(
         self, model: torch.nn.Module, batch: TrainingBatch, *, entropy: bool = False
     ) -> torch.Tensor:
+        if self.pp > 1:
+            return self._pipeline_logprobs(model, batch)
         logits = forward_logits(  # [T, V_pad / tp]
             model, self.layout_info, batch.input_ids, batch.cu_seqlens, compute_dtype=self.compute_dtype
         )
@@ -276,7 +300,32 @@ class MegatronBackend:
                 self.token_entropy = h[None]
         return lp[None]  # [1, T]
 
+    def _pipeline_logprobs(self, model: torch.nn.Module, batch: TrainingBatch) -> torch.Tensor:
+        """[1, T] logprobs through the pipeline's stages (forward only; on every stage). With
+        gradient they are a leaf that `backward` differentiates the loss by."""
+        (lp,) = pipeline.run(
+            model, self.layout_info, [batch], temperature=self.temperature, compute_dtype=self.compute_dtype
+        )
+        self.token_entropy = None  # the last stage's logits stay there: no entropy under PP yet
+        if not torch.is_grad_enabled():
+            return lp
+        leaf = lp.detach().requires_grad_(True)
+        self._pending = (batch, leaf)
+        return leaf
+
     def backward(self, loss: torch.Tensor) -> None:
+        if self.pp > 1:
+            # The loss depends on the weights only through the logprobs of `_pipeline_logprobs`:
+            # keep d loss / d logprobs, and let megatron's schedule backpropagate
+            # sum(logprobs * that) through the stages at the optimizer step, every micro-batch of
+            # the update in one 1F1B run (the same gradient, one more forward per micro-batch)
+            pending, self._pending = self._pending, None
+            if pending is None:
+                raise RuntimeError("backward under PP: no logprobs with gradient since the last backward")
+            batch, lp = pending
+            (grad,) = torch.autograd.grad(loss, lp, allow_unused=True)
+            self._deferred.append((batch, torch.zeros_like(lp) if grad is None else grad.detach()))
+            return
         # megatron's linear layers save the autocast state of the CUDA device for their backward;
         # on CPU the backward itself runs under autocast, so its matmuls see one dtype
         with compute_autocast(loss.device.type, self.compute_dtype):
@@ -284,6 +333,18 @@ class MegatronBackend:
 
     def optimizer_step(self) -> float:
         """See `Backend.optimizer_step`: one global norm on every rank, a non-finite one skips."""
+        if self._deferred:
+            batches = [b for b, _ in self._deferred]
+            grads = [g for _, g in self._deferred]
+            self._deferred = []
+            pipeline.run(
+                self.model,
+                self.layout_info,
+                batches,
+                temperature=self.temperature,
+                compute_dtype=self.compute_dtype,
+                loss_of=lambda i, lp: (lp * grads[i].to(lp.dtype)).sum(),
+            )
         return self.training.step()
 
     def set_lr(self, lr: float) -> None:
@@ -344,6 +405,11 @@ class MegatronBackend:
     def export_hf(self, out_dir: str | Path) -> Path:
         """The trained weights as an HF folder (collective over the world); with LoRA the merged
         model, and the adapters alone in peft's layout in its `adapter/`."""
+        if self.pp > 1:
+            raise ValueError(
+                f"export_hf({str(out_dir)!r}) under --pp {self.pp}: gathering the stages into one HF "
+                "folder is not built yet; convert a checkpoint with launch/convert.py at --pp 1"
+            )
         out = export_hf(self.model, self.layout_info, self.model_path, out_dir)
         if self.lora is not None:
             self._save_adapter(Path(out) / ADAPTER_DIR)

@@ -100,15 +100,16 @@ def test_layer_specs_hold_the_modules_they_name():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(tp=1, pp=2, world=2), "--pp 2: pipeline parallelism is not supported yet"),
+        (dict(tp=2, pp=2, world=2), "--tp 2 x --pp 2 does not divide the world size 2"),
         (dict(tp=1, cp=2, world=2), "--cp 2: context parallelism is not supported yet"),
         (dict(tp=3, world=4), "--tp 3 does not divide the world size 4"),
     ],
 )
-def test_pipeline_and_context_parallelism_are_refused(kwargs, message):
+def test_layouts_that_do_not_fit_and_context_parallelism_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         distributed.check_layout(**kwargs)
     distributed.check_layout(tp=2, world=4)  # TP x DP is fine
+    distributed.check_layout(tp=2, pp=2, world=8)  # and TP x PP x DP
 
 
 def _cpu_step_job(rank, world_size, path: str):
