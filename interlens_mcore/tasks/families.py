@@ -50,8 +50,16 @@ PRETRAINED_ON_CPU: dict[str, object] = {
 # 7 GB and a 2-rank ConnectFour run on a 23 GB machine was killed for memory at its third step.
 # Held-out episodes cost as much as training ones: with the default 128 a rank, a 2-rank Taxi run
 # began with 256 episodes of up to 24 replies, 16 times a training step's 16, and had not finished
-# them after 7 minutes; 16 a rank is two steps' worth
-LONG_CONVERSATIONS: dict[str, object] = {**PRETRAINED_ON_CPU, "micro_batch_size": 1, "eval_size": 16}
+# them after 7 minutes; 16 a rank is two steps' worth. Their activations are what fills memory:
+# one step of two 3,000-token trajectories of SmolLM2 peaked at 16.4 GB on one rank, 8.1 GB with
+# activation checkpointing (benchmarks/bench_memory.py --tokens 3000); a 2-rank CliffWalking run
+# without it was killed for memory in its first update (a rank at 12.2 GB)
+LONG_CONVERSATIONS: dict[str, object] = {
+    **PRETRAINED_ON_CPU,
+    "micro_batch_size": 1,
+    "eval_size": 16,
+    "recompute": True,
+}
 
 
 def make_source(spec: str, **task_args: object) -> TaskSource:

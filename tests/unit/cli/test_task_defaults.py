@@ -16,6 +16,11 @@ def _args(*argv: str):
     return with_task_defaults(parse(list(argv), description="test"))[0]
 
 
+def plain_recompute() -> bool:
+    """Whether a short-answer task (reasoning-gym) turns activation checkpointing on."""
+    return _args("--task", "reasoning_gym:basic_arithmetic").backend.recompute
+
+
 def test_a_task_family_brings_its_model_and_lengths_unless_the_user_sets_them():
     args = _args("--task", "gym:FrozenLake-v1", "--max-new-tokens", "9")
     assert args.rollout.max_new_tokens == 9  # the command line wins
@@ -24,6 +29,9 @@ def test_a_task_family_brings_its_model_and_lengths_unless_the_user_sets_them():
     assert args.origins["model"] == "task gym:FrozenLake-v1"
     assert args.rollout.micro_batch_size == 1  # an episode a micro-batch: its conversation is long
     assert args.trainer.eval_size == 16  # held-out episodes are as long
+    # and their activations would fill a CPU machine's memory: recomputed in the backward
+    assert (args.backend.recompute, args.origins["recompute"]) == (True, "task gym:FrozenLake-v1")
+    assert not plain_recompute()
     plain = _args("--task", "reasoning_gym:basic_arithmetic")
     assert plain.rollout.max_new_tokens == 48  # room for <answer>...</answer>, where 6 holds none
     assert plain.trainer.batch_size == PRETRAINED_ON_CPU["batch_size"]
