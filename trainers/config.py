@@ -296,7 +296,7 @@ class BackendConfig:
         default=1,
         metadata={
             "help": "pipeline-parallel size (megatron backend, CPU path: megatron's 1F1B schedule; not yet "
-            "with --engine vllm, --lora-rank, --export-hf or an entropy term: docs/parallelism.md); may "
+            "with --engine vllm, --lora-rank, --export-hf or --entropy-coeff: docs/parallelism.md); may "
             "change on --resume"
         },
     )

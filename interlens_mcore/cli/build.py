@@ -340,11 +340,10 @@ def check(args: Args) -> tuple[Args, TaskSource]:
                 f"--export-hf with --pp {b.pp}: not built yet (gathering the stages into one HF folder); "
                 "convert a checkpoint with launch/convert.py, or use --pp 1"
             )
-        if args.loss.entropy_coeff > 0 or args.loss.top_entropy_quantile < 1:
-            name = "--entropy-coeff" if args.loss.entropy_coeff > 0 else "--top-entropy-quantile"
+        if args.loss.entropy_coeff > 0:
             raise UsageError(
-                f"{name} with --pp {b.pp}: not built yet (the policy's entropy stays on the last stage); "
-                "use --pp 1"
+                f"--entropy-coeff with --pp {b.pp}: not built yet (the entropy bonus's gradient through "
+                "the stages); use --pp 1"
             )
     source = add_tools(args, base)
     try:

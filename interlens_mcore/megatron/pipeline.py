@@ -41,7 +41,12 @@ from functools import partial
 import torch
 
 from ..grpo.batch import TrainingBatch
-from ..grpo.logprobs import token_logprobs, vocab_parallel_token_logprobs
+from ..grpo.logprobs import (
+    token_entropy,
+    token_logprobs,
+    vocab_parallel_token_entropy,
+    vocab_parallel_token_logprobs,
+)
 from .model import ModelLayout, compute_autocast, mask_padded_vocab, packed_seq_params, vocab_start
 from .spec import packed_positions
 from .stages import pipeline_size, stage
@@ -96,12 +101,15 @@ def run(
     temperature: float = 1.0,
     loss_of: LossOf | None = None,
     compute_dtype: torch.dtype | None = None,
+    entropies: list[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """Every micro-batch through the pipeline: [1, T_i] logprobs of its targets on every stage.
 
     With `loss_of` the schedule also runs the backward of `loss_of(i, logprobs)` (built on the
     last stage; gradients accumulate in the stage's parameters); without it, forward only and no
-    graph. Collective over the pipeline group (and TP); every rank passes the same batches.
+    graph. With `entropies` (a list), it receives each micro-batch's [1, T_i] policy entropy
+    (no gradient) on every stage too. Collective over the pipeline group (and TP); every rank
+    passes the same batches.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -129,7 +137,16 @@ def run(
             )
         lp = lp[None]  # [1, T]
         loss = lp.sum() * 0.0 if loss_of is None else loss_of(i, lp)
-        return loss, torch.ones((), dtype=torch.int), {"logprobs": lp.detach()}
+        stored = {"logprobs": lp.detach()}
+        if entropies is not None:
+            if tp == 1:
+                h = token_entropy(logits, temperature=temperature)
+            else:
+                h = vocab_parallel_token_entropy(
+                    logits, temperature=temperature, group=ps.get_tensor_model_parallel_group()
+                )
+            stored["entropy"] = h[None]
+        return loss, torch.ones((), dtype=torch.int), stored
 
     def forward_step(data: Iterator[int], stage_model: torch.nn.Module):
         i = next(data)
@@ -149,6 +166,8 @@ def run(
         )
     if not forward_only:
         sum_tied_embedding_grads(model, layout)
+    if entropies is not None:
+        entropies.extend(_from_last_stage([s["entropy"] for s in stored] if last else None, batches, device))
     return _from_last_stage([s["logprobs"] for s in stored] if last else None, batches, device)
 
 
@@ -180,7 +199,7 @@ def sum_tied_embedding_grads(model: torch.nn.Module, layout: ModelLayout) -> Non
 def _from_last_stage(
     mine: list[torch.Tensor] | None, batches: Sequence[TrainingBatch], device: torch.device
 ) -> list[torch.Tensor]:
-    """The last stage's [1, T_i] logprobs on every rank of the pipeline group."""
+    """The last stage's [1, T_i] figures (logprobs, entropies) on every rank of the pipeline group."""
     from megatron.core import parallel_state as ps
 
     if pipeline_size() == 1:

@@ -41,6 +41,8 @@ def _same_steps(got: list[dict], want: list[dict], steps: list[int]) -> None:
         assert r["tokens"] == w["tokens"] and r["reward_mean"] == w["reward_mean"], (r, w)
         assert r["loss"] == pytest.approx(w["loss"], rel=1e-5, abs=1e-7), r["step"]
         assert r["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-5), r["step"]
+        # the policy's entropy comes from the last stage's logits
+        assert r["entropy"] == pytest.approx(w["entropy"], rel=1e-5), r["step"]
 
 
 def test_pp2_trains_as_tp2_and_its_checkpoint_resumes_at_pp1(tmp_path):

@@ -276,7 +276,7 @@ class MegatronBackend:
         self, model: torch.nn.Module, batch: TrainingBatch, *, entropy: bool = False
     ) -> torch.Tensor:
         if self.pp > 1:
-            return self._pipeline_logprobs(model, batch)
+            return self._pipeline_logprobs(model, batch, entropy=entropy)
         logits = forward_logits(  # [T, V_pad / tp]
             model, self.layout_info, batch.input_ids, batch.cu_seqlens, compute_dtype=self.compute_dtype
         )
@@ -300,13 +300,23 @@ class MegatronBackend:
                 self.token_entropy = h[None]
         return lp[None]  # [1, T]
 
-    def _pipeline_logprobs(self, model: torch.nn.Module, batch: TrainingBatch) -> torch.Tensor:
+    def _pipeline_logprobs(
+        self, model: torch.nn.Module, batch: TrainingBatch, *, entropy: bool
+    ) -> torch.Tensor:
         """[1, T] logprobs through the pipeline's stages (forward only; on every stage). With
-        gradient they are a leaf that `backward` differentiates the loss by."""
+        gradient they are a leaf that `backward` differentiates the loss by. A policy forward
+        also sets `token_entropy` (from the last stage, without gradient: no entropy bonus)."""
+        hs: list[torch.Tensor] | None = [] if entropy else None
         (lp,) = pipeline.run(
-            model, self.layout_info, [batch], temperature=self.temperature, compute_dtype=self.compute_dtype
+            model,
+            self.layout_info,
+            [batch],
+            temperature=self.temperature,
+            compute_dtype=self.compute_dtype,
+            entropies=hs,
         )
-        self.token_entropy = None  # the last stage's logits stay there: no entropy under PP yet
+        if hs:
+            self.token_entropy = hs[0]
         if not torch.is_grad_enabled():
             return lp
         leaf = lp.detach().requires_grad_(True)
