@@ -168,6 +168,8 @@ class GRPOTrainer:
         self.claim: state.FolderClaim | None = None  # the output folder, once taken
         self.stop = preemption.StopRequest(config.save_on_signal)  # SIGTERM / SIGINT: save and stop
         self.health = HealthCheck(max_new_tokens=self.rollout_config.max_new_tokens)
+        # what the progress bar says the step is doing (the Reporter's note while `train` runs)
+        self.say: Callable[[str], None] = lambda text: None
         # a failure on any rank reaches every rank of the world as its named cause, at once; the
         # check waits as long as any collective may (a rank that failed early waits there)
         timeout = world_check_timeout_s if world_check_timeout_s is not None else config.collective_timeout_s
@@ -217,6 +219,7 @@ class GRPOTrainer:
             run_info=self.run_info,
         )
         records = []
+        self.say = report.note
         self.stop.start()
         try:
             while self.step < cfg.steps and not self.stop.agreed(self.world_check):
@@ -246,7 +249,6 @@ class GRPOTrainer:
         if cfg.eval_every and self.step % cfg.eval_every == 0:
             report.note(self.evaluating())  # the held-out rows may take longer than a step
             evaluated = self.evaluation()
-            report.note(f"step {self.step}: rollout and update")
         rec, rollout = self.train_step()
         rec = record.json_ready({**rec, **evaluated})
         health, warnings = self.health.check(rec)
@@ -266,6 +268,7 @@ class GRPOTrainer:
     def train_step(self) -> tuple[dict, Rollout]:
         """One rollout and its `updates_per_rollout` optimizer steps; returns (record, rollout)."""
         t0 = time.perf_counter()
+        self.say(f"step {self.step}: rollout")
         rollout, components = self.together("rollout", self.scored_rollout, self.step)
         refilled: dict[str, float] = {}
         if self.config.dynamic_sampling:
@@ -362,7 +365,9 @@ class GRPOTrainer:
             updates=self.config.updates_per_rollout,
             loss_fn=self.loss_fn,
             dp_group=self.groups.dp,
+            progress=lambda done, total: self.say(f"step {self.step}: update, micro-batch {done} of {total}"),
         )
+        self.say(f"step {self.step}: figures")
         self.skipped_steps += result.skipped
         metrics = result.metrics
         # once after the rollout's optimizer steps: nothing generates between them. The slowest

@@ -65,8 +65,12 @@ def update(
     updates: int = 1,
     loss_fn: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]] = batch_loss,
     dp_group: ProcessGroup | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> UpdateResult:
-    """`updates` optimizer steps on `batches` (None: this rank has no rows for that micro-batch)."""
+    """`updates` optimizer steps on `batches` (None: this rank has no rows for that micro-batch).
+
+    progress(done, total): called before each micro-batch's forward with gradient (local, for a
+    progress display; `total` counts every update's micro-batches)."""
     cfg = loss_config
     placeholder = placeholder_batch(rollout.trajectories, backend)
     bonus = cfg.entropy_coeff > 0
@@ -123,6 +127,8 @@ def update(
     for k in range(updates):
         sums = None
         for i, batch in enumerate(batches):
+            if progress is not None:
+                progress(k * len(batches) + i + 1, updates * len(batches))
             real = batch is not None
             mb = batch if batch is not None else placeholder
             lp = first if single and k == 0 else backend.logprobs_of(mb)

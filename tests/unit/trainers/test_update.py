@@ -148,3 +148,18 @@ def test_metrics_reduce_by_their_suffix_over_micro_batches():
     # a '/max' key reduces to the max, the rest to sums
     assert result.metrics["ratio/max"] == pytest.approx(max(c["ratio/max"] for c in last))
     assert result.metrics["tokens"] == sum(c["tokens"] for c in last) == 12.0
+
+
+def test_progress_counts_every_micro_batch_of_every_update():
+    # what the progress bar shows during a long update: one call before each forward with gradient
+    rollout, ts, adv = _rollout()
+    seen: list[tuple[int, int]] = []
+    update(
+        FakeBackend(),
+        _batches(ts, adv, 2),
+        rollout,
+        loss_config=CFG,
+        updates=3,
+        progress=lambda done, total: seen.append((done, total)),
+    )
+    assert seen == [(i, 6) for i in range(1, 7)]
