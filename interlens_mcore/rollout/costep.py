@@ -41,6 +41,7 @@ from .round import (
     each,
     engine_registry,
     generate_waves,
+    in_thread,
     key_of,
     no_running_loop,
     run_rounds,
@@ -85,7 +86,16 @@ class _CoStep(Driver):
     """co_step's half of the lockstep round: Python turns, then rows per speaker signature."""
 
     def __init__(
-        self, convs, turns, max_batch_size, group_seed, registry, step_timeout_s, max_rounds, errors
+        self,
+        convs,
+        turns,
+        max_batch_size,
+        group_seed,
+        registry,
+        step_timeout_s,
+        max_rounds,
+        errors,
+        overlap=1,
     ):
         self.convs, self.turns, self.max_batch_size = convs, turns, max_batch_size
         self.group_seed, self.registry, self.step_timeout_s = group_seed, registry, step_timeout_s
@@ -95,33 +105,60 @@ class _CoStep(Driver):
         # a conversation's own turn limit: `turns` more than it had on entry
         self.limit = {id(c): c.turns_taken + turns for c in convs} if turns is not None else {}
         self.rows: dict[str, list[_Row]] = {}
+        # overlap: the conversations in `overlap` slices taking rounds in turn; while the engine
+        # generates one slice's turns, the other slices' environment and tool turns run
+        self.overlap = overlap
+        self.slices = [convs[s::overlap] for s in range(overlap)]
+        self.rounds = 0
+        self.current = 0  # the slice whose rows this round holds
+        self.pending: dict[int, asyncio.Task] = {}  # slices whose Python turns run beside the engine
 
     def open(self, c: Conversation) -> bool:
         return not c.finished and (self.turns is None or c.turns_taken < self.limit[id(c)])
 
+    def busy(self) -> bool:
+        # a slice whose turn it is not may still have work: every rank keeps voting while it does
+        return self.overlap > 1 and any(self.open(c) for c in self.convs)
+
     async def local(self) -> dict[str, Need]:
-        # environment / tool turns first, so the vote sees who will generate; one vote per
-        # policy round, not per turn: Python turns need no collective
-        for _ in range(self.max_rounds):
-            waiting = [c for c in self.convs if self.open(c) and not isinstance(c.speaker, Policy)]
-            if not waiting:
-                break
-            errors: list[Exception] = []
-            await settle(waiting, self._python_turn, _fail_turn, errors)
-            self.errors.settle(errors)
+        self.current = s = self.rounds % self.overlap
+        self.rounds += 1
+        task = self.pending.pop(s, None)
+        if task is not None:  # started while the engine generated another slice's turns
+            await task
         else:
-            left = [c.id for c in self.convs if self.open(c)][:5]
-            raise RuntimeError(
-                f"co_step: conversations {left} took {self.max_rounds} turns without a policy turn or "
-                "a stop; give them stop conditions (run_until, stop_when) or pass turns"
-            )
+            await self._python_turns(self.slices[s])
         self.rows = defaultdict(list)
-        for c in self.convs:
+        for c in self.slices[s]:
             if self.open(c) and isinstance(c.speaker, Policy):
                 row = self._row(c, c.speaker)
                 if row is not None:
                     self.rows[key_of(c.speaker.signature())].append(row)
         return {k: Need(engine=rows[0].policy.engine.name, rows=len(rows)) for k, rows in self.rows.items()}
+
+    async def _python_turns(self, convs: list[Conversation]) -> None:
+        # environment / tool turns first, so the vote sees who will generate; one vote per
+        # policy round, not per turn: Python turns need no collective
+        for _ in range(self.max_rounds):
+            waiting = [c for c in convs if self.open(c) and not isinstance(c.speaker, Policy)]
+            if not waiting:
+                return
+            errors: list[Exception] = []
+            await settle(waiting, self._python_turn, _fail_turn, errors)
+            self.errors.settle(errors)
+        left = [c.id for c in convs if self.open(c)][:5]
+        raise RuntimeError(
+            f"co_step: conversations {left} took {self.max_rounds} turns without a policy turn or "
+            "a stop; give them stop conditions (run_until, stop_when) or pass turns"
+        )
+
+    async def cancel_pending(self) -> None:
+        """Stop the slices' Python turns still running (the rollout failed elsewhere)."""
+        tasks = list(self.pending.values())
+        self.pending.clear()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def _row(self, c: Conversation, p: Policy) -> _Row | None:
         prompt, engine = c.prompt_ids(p), p.engine
@@ -188,10 +225,34 @@ class _CoStep(Driver):
         if errors:
             raise errors[0]
 
+    async def call_async(self, calls: list[Call]) -> None:
+        if self.overlap == 1:
+            return self.call(calls)
+        # the other slices' environment and tool turns start now and run while the engine
+        # generates in a worker thread; each slice's next round waits for its own
+        for t, convs in enumerate(self.slices):
+            if t != self.current and t not in self.pending and any(self.open(c) for c in convs):
+                self.pending[t] = asyncio.create_task(self._python_turns(convs))
+        errors = []
+        for call in calls:
+            try:
+                rows = self.rows.get(call.key, [])
+                engine = self.registry[call.engine]
+                requests = [r.request for r in rows]
+                results = await in_thread(generate_waves, engine, requests, call, self.max_batch_size)
+                self._commit_all(rows, results)
+            except Exception as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
     def _generate(self, call: Call) -> None:
         engine = self.registry[call.engine]  # every rank holds it: run_rounds checked the ballots
         rows = self.rows.get(call.key, [])
         results = generate_waves(engine, [r.request for r in rows], call, self.max_batch_size)
+        self._commit_all(rows, results)
+
+    def _commit_all(self, rows: list[_Row], results: list[Generation]) -> None:
         # each conversation commits on its own: a failing hook fails only its conversation
         errors: list[Exception] = []
         each(list(zip(rows, results, strict=True)), _commit, lambda rg, exc: _fail(rg[0].conv, exc), errors)
@@ -225,8 +286,10 @@ def _fail_turn(c: Conversation, exc: Exception) -> None:
     _fail(c, exc, speaker.kind if isinstance(speaker, Environment) else "environment")
 
 
-def _check_args(convs, turns, max_batch_size, max_rounds, step_timeout_s, on_sample_error) -> None:
+def _check_args(convs, turns, max_batch_size, max_rounds, step_timeout_s, on_sample_error, overlap) -> None:
     check_on_sample_error(on_sample_error, "co_step: on_sample_error")
+    if not isinstance(overlap, int) or isinstance(overlap, bool) or overlap < 1:
+        raise ValueError(f"co_step: overlap must be an int >= 1 (1: no overlap), got {overlap!r}")
     if turns is not None and (not isinstance(turns, int) or turns < 0):
         raise ValueError(f"co_step: turns must be an int >= 0 or None, got {turns!r}")
     if not isinstance(max_rounds, int) or isinstance(max_rounds, bool) or max_rounds < 1:
@@ -272,24 +335,29 @@ async def co_step_async(
     engines: Sequence[Engine] = (),
     step_timeout_s: float | None = None,
     on_sample_error: OnSampleError = "raise",
+    overlap: int = 1,
 ) -> list[Conversation]:
     """`co_step` for callers inside a running event loop (a notebook, an async server)."""
     convs = list(convs)
     error, registry, claimed = None, {}, []
     try:
-        _check_args(convs, turns, max_batch_size, max_rounds, step_timeout_s, on_sample_error)
+        _check_args(convs, turns, max_batch_size, max_rounds, step_timeout_s, on_sample_error, overlap)
         claimed = claim(convs, "co_step")  # before `start`, which may change a claimed one
         registry = _start(convs, engines)
     except Exception as exc:  # carried in the first vote, so every rank fails alike
         error, convs = exc, []
     errors = SampleErrors(on_sample_error)
-    driver = _CoStep(convs, turns, max_batch_size, group_seed, registry, step_timeout_s, max_rounds, errors)
+    overlap = overlap if error is None else 1
+    driver = _CoStep(
+        convs, turns, max_batch_size, group_seed, registry, step_timeout_s, max_rounds, errors, overlap
+    )
     try:
-        # with `turns`, every round takes a policy turn of every open conversation: no bound needed
-        await run_rounds(
-            driver, gather_fn=gather_fn, rank=rank, bound=max_rounds if turns is None else None, error=error
-        )
+        # with `turns`, every round takes a policy turn of every open conversation: no bound needed;
+        # with overlap, a slice takes every overlap-th round
+        bound = max_rounds * overlap if turns is None else None
+        await run_rounds(driver, gather_fn=gather_fn, rank=rank, bound=bound, error=error)
     finally:
+        await driver.cancel_pending()
         release(claimed)
     return convs
 
@@ -306,6 +374,7 @@ def co_step(
     engines: Sequence[Engine] = (),
     step_timeout_s: float | None = None,
     on_sample_error: OnSampleError = "raise",
+    overlap: int = 1,
 ) -> list[Conversation]:
     """Advance every conversation by `turns` turns, or until its stop conditions fire (None).
 
@@ -331,6 +400,15 @@ def co_step(
     made. With `on_sample_error="raise"` (default) that failure then fails the rollout on every
     rank; with "skip" the others carry on to their ends and nothing is raised. Failures that are
     not one conversation's (an engine call, the vote, bad arguments) always fail the rollout.
+
+    `overlap` > 1 splits the conversations into that many slices (every overlap-th one) that
+    take rounds in turn: while the engine generates one slice's policy turns (in a worker
+    thread, with the caller's CUDA device and grad mode), the other slices' environment and
+    tool turns run on the event loop. A conversation's turns, seeds and tokens are the same as
+    without overlap (rows are seeded per conversation and the engines' tokens do not depend on
+    the batch); each round votes as before, one slice at a time. It pays off when environment
+    or tool turns take about as long as a round's generation; with instant environments it
+    only adds rounds.
 
     `step_timeout_s` limits every environment / tool / scripted turn (an `Environment`'s own
     `timeout_s` wins). A turn past its limit ends that conversation with status TIMEOUT and

@@ -114,6 +114,14 @@ class RolloutConfig:
             "conversation outgrew the context (they still count in their group's baseline)"
         },
     )
+    overlap: int = field(
+        default=1,
+        metadata={
+            "help": "slices of a rank's conversations taking rounds in turn: while the engine generates "
+            "one slice's replies, the others' environment and tool turns run (1: off; 2 pays off when "
+            "environments or tools take about as long as a round's generation: benchmarks/bench_overlap.py)"
+        },
+    )
     micro_batch_size: int = field(
         default=0, metadata={"help": "trajectories per forward/backward (0: all of a rank's)"}
     )
@@ -137,6 +145,8 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         if self.num_generations < 1:
             raise ValueError(f"RolloutConfig.num_generations must be >= 1, got {self.num_generations}")
+        if self.overlap < 1:
+            raise ValueError(f"RolloutConfig.overlap must be >= 1 (1: off), got {self.overlap}")
         if self.micro_batch_size < 0:
             raise ValueError(f"RolloutConfig.micro_batch_size must be >= 0, got {self.micro_batch_size}")
         if self.max_batch_size is not None and self.max_batch_size < 1:
@@ -434,6 +444,7 @@ class Rollouter:
             engines=self.engines(),
             step_timeout_s=plan.step_timeout_s,
             on_sample_error=plan.on_sample_error,
+            overlap=self.config.overlap,
         )
         trajectories, rows = [], []
         for conv, sample in zip(convs, plan.samples, strict=True):

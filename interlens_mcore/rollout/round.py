@@ -76,6 +76,16 @@ class Driver(ABC):
     def call(self, calls: list[Call]) -> None:
         """Make the round's engine calls (all ranks get the same `calls`, sorted by key)."""
 
+    async def call_async(self, calls: list[Call]) -> None:
+        """`call` for drivers that let other work run while the engine generates (`co_step`'s
+        overlap); by default the plain `call`."""
+        self.call(calls)
+
+    def busy(self) -> bool:
+        """Work left beyond this round's needs (a driver that takes its items in turns): the rank
+        votes itself active even in a round where it needs no engine call."""
+        return False
+
     def over_bound(self, rounds: int) -> Exception:
         return RuntimeError(f"rollout still running after {rounds} rounds")
 
@@ -112,6 +122,23 @@ def _generate_splitting(engine: Engine, requests: list[GenerationRequest]) -> li
             raise
         half = len(requests) // 2
         return _generate_splitting(engine, requests[:half]) + _generate_splitting(engine, requests[half:])
+
+
+async def in_thread(fn: Callable[..., T], *args: object) -> T:
+    """`fn(*args)` in a worker thread, so the event loop runs other work meanwhile, with the
+    caller's thread-local torch state (CUDA device, grad and inference mode) carried over."""
+    device = (
+        torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    )
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+    def run() -> T:
+        if device is not None:
+            torch.cuda.set_device(device)
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            return fn(*args)
+
+    return await asyncio.to_thread(run)
 
 
 def key_of(signature: tuple) -> str:
@@ -159,9 +186,8 @@ async def run_rounds(
             "needs": {k: (n.engine, n.rows) for k, n in needs.items()},
             "holds": None if held is None else sorted(held),
         }
-        ballots = cast_vote(
-            gather_fn, rank=rank, active=bool(needs) and error is None, error=error, payload=payload
-        )
+        active = error is None and (bool(needs) or driver.busy())
+        ballots = cast_vote(gather_fn, rank=rank, active=active, error=error, payload=payload)
         if not any(b.active for b in ballots):
             return rounds
         if bound is not None and rounds >= bound:  # every rank sees the same ballots: all raise
@@ -169,7 +195,7 @@ async def run_rounds(
         calls = aligned(ballots)
         check_held(calls, ballots, driver)
         try:
-            driver.call(calls)
+            await driver.call_async(calls)
         except Exception as exc:
             error = exc
         rounds += 1

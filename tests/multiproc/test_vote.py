@@ -71,6 +71,38 @@ def test_uneven_turns_finish_and_idle_rank_keeps_calling(tiny_path):
     assert [c.trajectories()[0].token_ids for c in single] == ids0 + ids1
 
 
+def _overlapped(rank, world, tiny_path, turns_by_rank, n_by_rank):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from interlens_mcore import HFEngine, co_step, distributed
+
+    tok = AutoTokenizer.from_pretrained(tiny_path)
+    engine = Counting(HFEngine(AutoModelForCausalLM.from_pretrained(tiny_path), tok))
+    groups = distributed.build_groups(rollout="world", vote_timeout_s=60)
+    convs = _guess_convs(engine, tok, rank, turns_by_rank, n=n_by_rank[rank])
+    co_step(convs, turns=None, gather_fn=groups.gather_fn(), rank=groups.rollout_rank, overlap=2)
+    return [c.turns_taken for c in convs], engine.calls, [c.trajectories()[0].token_ids for c in convs]
+
+
+def test_overlap_across_ranks_with_uneven_slices_and_turns(tiny_path):
+    # rank 1's single conversation leaves its second slice empty; rank 0 stops after one round
+    turns, n = {0: 2, 1: 12}, {0: 3, 1: 1}
+    (t0, calls0, ids0), (t1, calls1, ids1) = run_ranks(_overlapped, 2, str(tiny_path), turns, n, timeout=180)
+    assert t0 == [2, 2, 2] and t1 == [12]
+    # one slice a round: rank 0's slices hold 2 and 1 conversations; rank 1's second slice is
+    # empty, so once rank 0 is done its rounds vote and call nothing; both ranks join every call
+    assert calls0 == [2, 1] + [0] * 5 and calls1 == [1, 0] + [1] * 5
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from interlens_mcore import HFEngine, co_step
+
+    tok = AutoTokenizer.from_pretrained(tiny_path)
+    engine = HFEngine(AutoModelForCausalLM.from_pretrained(tiny_path), tok)
+    single = _guess_convs(engine, tok, 0, turns, n=3) + _guess_convs(engine, tok, 1, turns, n=1)
+    co_step(single, turns=None)
+    assert [c.trajectories()[0].token_ids for c in single] == ids0 + ids1
+
+
 def _failing_rank(rank, world, tiny_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -166,6 +166,7 @@ SECTIONS: list[tuple[str, list[Refusal]]] = [
                 "--micro-batch-size is 2 (give one of them, or --batch-size 4 for N micro-batches of 2)",
             ),  # fmt: skip
             Refusal("a clip range outside (0, 1)", ("--epsilon=2",), "--epsilon must be in (0, 1), got 2.0"),
+            Refusal("no overlap slice", ("--overlap", "0"), "--overlap must be >= 1 (1: off), got 0"),
             Refusal(
                 "a step time limit <= 0",
                 ("--step-timeout-s", "0"),

@@ -1,0 +1,202 @@
+"""co_step's overlap: environment and tool turns of one slice run while the engine generates
+another's, and nothing a conversation produces changes."""
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from interlens_mcore import (
+    Conversation,
+    Environment,
+    HFEngine,
+    MaxTurns,
+    Message,
+    Policy,
+    RolloutError,
+    SamplingParams,
+    Status,
+    co_step,
+)
+
+
+class Hint(Environment):
+    """Async feedback that ends some conversations early, so slices finish at different rounds."""
+
+    name = "env"
+
+    def __init__(self, secret: int, delay_s: float = 0.0):
+        self.secret, self.delay_s = secret, delay_s
+
+    async def respond(self, conv):
+        await asyncio.sleep(self.delay_s)
+        if self.secret % 3 == 0 and conv.turns_taken >= 3:
+            conv.end(Status.STOPPED, "guessed")
+            return None
+        return f"{self.secret} is higher" if conv.turns_taken % 4 == 1 else "lower"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny):
+    model, tok = tiny
+    return HFEngine(model, tok)
+
+
+def _convs(engine, tok, n, turns=8, temperature=1.0):
+    pol = Policy("agent", engine, tok, SamplingParams(temperature=temperature, max_new_tokens=8))
+    return [
+        Conversation(
+            [pol, Hint(i)],
+            [Message(speaker="user", content=f"guess {i}")],
+            run_until=MaxTurns(turns),
+            id=f"c{i}",
+        )
+        for i in range(n)
+    ]
+
+
+def _seen(convs):
+    return [(c.status, c.turns_taken, c.trajectories()[0].token_ids) for c in convs]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_overlap_gives_the_same_conversations(engine, tiny, temperature):
+    _, tok = tiny
+    reference = _convs(engine, tok, 7, temperature=temperature)
+    co_step(reference, turns=None, group_seed=3)
+    assert len({c.turns_taken for c in reference}) > 1  # uneven ends
+    for overlap in (2, 3, 7, 9):  # 9: more slices than conversations, some empty
+        convs = _convs(engine, tok, 7, temperature=temperature)
+        co_step(convs, turns=None, group_seed=3, overlap=overlap)
+        assert _seen(convs) == _seen(reference), f"overlap={overlap}"
+    # with `turns`, the same limit per conversation, and a later call continues them
+    stepped = _convs(engine, tok, 7, temperature=temperature)
+    co_step(stepped, turns=2, group_seed=3, overlap=2)
+    assert all(c.turns_taken == 2 for c in stepped)
+    co_step(stepped, turns=None, group_seed=3, overlap=2)
+    assert _seen(stepped) == _seen(reference)
+
+
+class Handshake:
+    """An engine whose generate waits for an environment turn of a conversation it is not
+    generating for, to run meanwhile.
+
+    Without overlap every environment turn runs before or after generate, never during it, so
+    the wait runs out."""
+
+    def __init__(self, inner, wait_s):
+        self.inner, self.name, self.max_context, self.stats = (
+            inner,
+            inner.name,
+            inner.max_context,
+            inner.stats,
+        )
+        self.wait_s, self.generating = wait_s, None  # the tags of the rows being generated
+        self.other_ran = threading.Event()
+        self.waited: list[bool] = []
+
+    def generate(self, requests):
+        self.other_ran.clear()
+        self.generating = {r.tag for r in requests}
+        self.waited.append(self.other_ran.wait(timeout=self.wait_s))
+        self.generating = None
+        return self.inner.generate(requests)
+
+
+class Signal(Environment):
+    name = "env"
+
+    def __init__(self, spy):
+        self.spy = spy
+
+    async def respond(self, conv):
+        for _ in range(int(self.spy.wait_s / 0.01)):  # until some generate call runs beside this turn
+            busy = self.spy.generating
+            if busy is not None and conv.id not in busy:
+                self.spy.other_ran.set()
+                break
+            await asyncio.sleep(0.01)
+        return "lower"
+
+
+@pytest.mark.parametrize("overlap,wait_s", [(2, 10.0), (1, 0.3)])
+def test_environment_turns_run_while_the_engine_generates(engine, tiny, overlap, wait_s):
+    _, tok = tiny
+    spy = Handshake(engine, wait_s)
+    pol = Policy("agent", spy, tok, SamplingParams(temperature=1.0, max_new_tokens=4))
+    convs = [
+        Conversation(
+            [pol, Signal(spy)],
+            [Message(speaker="user", content=f"hi {i}")],
+            run_until=MaxTurns(6),
+            id=f"c{i}",
+        )
+        for i in range(4)
+    ]
+    co_step(convs, turns=None, overlap=overlap)
+    assert all(c.turns_taken == 6 for c in convs)
+    if overlap == 1:  # the check can fail: without overlap no generate call sees an environment turn
+        assert spy.waited == [False] * 3
+    else:  # the first call has no other slice's environment turn beside it; every later one has
+        assert len(spy.waited) == 6 and spy.waited[1:] == [True] * 5, spy.waited
+
+
+def test_a_failing_environment_in_the_other_slice_fails_the_rollout(engine, tiny):
+    _, tok = tiny
+
+    class Breaks(Environment):
+        name = "env"
+
+        async def respond(self, conv):
+            if conv.turns_taken >= 3:
+                raise KeyError("no such tool")
+            return "lower"
+
+    pol = Policy("agent", engine, tok, SamplingParams(temperature=1.0, max_new_tokens=4))
+    convs = [
+        Conversation(
+            [pol, Hint(1) if i else Breaks()], [Message(speaker="user", content="x")], run_until=MaxTurns(8)
+        )
+        for i in range(2)
+    ]
+    with pytest.raises(RolloutError, match="no such tool"):
+        co_step(convs, turns=None, overlap=2)
+    assert convs[0].status is Status.FAILED and "KeyError" in convs[0].stop_reason
+    # on_sample_error="skip": the other slice's conversation carries on to its end
+    convs = [
+        Conversation(
+            [pol, Hint(1) if i else Breaks()], [Message(speaker="user", content="x")], run_until=MaxTurns(8)
+        )
+        for i in range(2)
+    ]
+    co_step(convs, turns=None, overlap=2, on_sample_error="skip")
+    assert convs[0].status is Status.FAILED and convs[1].turns_taken == 8
+
+
+def test_the_engine_thread_keeps_the_callers_grad_mode(engine, tiny):
+    _, tok = tiny
+    modes = []
+
+    class Mode:
+        name, max_context, stats = engine.name, engine.max_context, engine.stats
+
+        def generate(self, requests):
+            modes.append((torch.is_grad_enabled(), threading.current_thread() is threading.main_thread()))
+            return engine.generate(requests)
+
+    pol = Policy("agent", Mode(), tok, SamplingParams(temperature=1.0, max_new_tokens=2))
+    convs = [
+        Conversation([pol, Hint(i)], [Message(speaker="user", content="x")], run_until=MaxTurns(2))
+        for i in range(2)
+    ]
+    with torch.no_grad():
+        co_step(convs, turns=None, overlap=2)
+    assert modes and all(m == (False, False) for m in modes)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_bad_overlap_is_refused(engine, tiny, bad):
+    _, tok = tiny
+    with pytest.raises(ValueError, match=r"co_step: overlap must be an int >= 1 \(1: no overlap\), got"):
+        co_step(_convs(engine, tok, 1), turns=1, overlap=bad)
