@@ -11,6 +11,7 @@
 #   TURNS_MODEL=tiny (or smollm2)                         the same through MegatronEngine
 #   MEMORY_MODELS=tiny,smollm2                            memory of one step, full vs LoRA
 #   TENSORS_TRAJ=256                                      packed vs padded tensors
+#   OVERLAP_MS=0,100,500                                  environment latency, with and without overlap
 #   SOAK_RUNS=200                                         randomised fault soak (2 ranks)
 #   TRL_VERSION=1.16.0 (empty: skip installing TRL)       peer comparison
 #   RESUME=1: skip every benchmark whose JSON is already in benchmarks/results
@@ -50,6 +51,10 @@ todo vote && torchrun --nproc_per_node=2 benchmarks/bench_vote.py --json | last 
 step agent_endpoint
 todo agent_endpoint && python benchmarks/bench_agent_endpoint.py --json --repeats "${REPEATS:-3}" \
     | last > "$OUT/agent_endpoint.json"
+
+step overlap
+todo overlap && python benchmarks/bench_overlap.py --json --latency-ms "${OVERLAP_MS:-0,100,500}" \
+    --repeats "${REPEATS:-3}" | last > "$OUT/overlap.json"
 
 step soak
 todo soak && torchrun --nproc_per_node=2 benchmarks/soak_rollout.py --json --runs "${SOAK_RUNS:-200}" | last > "$OUT/soak.json"

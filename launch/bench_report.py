@@ -123,6 +123,20 @@ def table(res: dict[str, dict]) -> list[str]:
             f"{a['ratio']}; engine calls {a['engine_calls_endpoint']} / {a['engine_calls_co_step']} | "
             ">= 0.8, equal calls |"
         )
+    if "overlap" in res:
+        o = res["overlap"]
+        m = o.get("machine", {})
+        for r in o["results"]:
+            ks = sorted(int(k.split("_")[1]) for k in r if k.endswith("_speedup"))
+            rows.append(
+                f"| Overlap, {o['conversations']} conv x {o['turns']} turns x {o['max_new_tokens']} tok, "
+                f"environment latency {r['latency_ms']} ms (median of {o['repeats']}; load "
+                f"{m.get('load_before')} / {m.get('load_after')}) | off {r['overlap_1_tokens_per_s']} tok/s; "
+                + "; ".join(
+                    f"{k} slices {r[f'overlap_{k}_tokens_per_s']} ({r[f'overlap_{k}_speedup']}x)" for k in ks
+                )
+                + f"; same tokens: {o['same_tokens']} | >= 1.6x at 500 ms |"
+            )
     if "soak" in res:
         s = res["soak"]
         rows.append(
