@@ -2,8 +2,9 @@
 
 Each `Rule` reads one figure of the step's record. `HealthCheck.check(record)` returns the
 `health/<rule>` figures (for how many steps in a row the rule's condition has held; 0 when it
-does not) and, when a condition has held for `patience` steps in a row, one warning line for
-it, repeated only after the condition cleared and came back (a resumed run counts afresh)::
+does not) and, when a condition has held for `patience` steps in a row or for steps that took
+`patience_s` seconds together (a slow task warns after its first long step), one warning line
+for it, repeated only after the condition cleared and came back (a resumed run counts afresh)::
 
     check = HealthCheck(max_new_tokens=6)
     figures, warnings = check.check(record)   # {"health/clipped_replies": 3, ...}, ["..."]
@@ -106,25 +107,46 @@ class HealthCheck:
 
     max_new_tokens: int  # what the clipped-replies warning names
     patience: int = 3  # steps in a row before a warning
+    # or this long in a row (the steps' rollout_s + train_s): a task whose steps take half an hour
+    # says so after its first one
+    patience_s: float = 600.0
     rules: tuple[Rule, ...] = RULES
     streaks: dict[str, int] = field(default_factory=dict)
+    held_s: dict[str, float] = field(default_factory=dict)
+    warned: set[str] = field(default_factory=set)  # rules that warned in their current stretch
 
     def __post_init__(self) -> None:
         if self.patience < 1:
             raise ValueError(f"HealthCheck.patience must be >= 1, got {self.patience}")
+        if not self.patience_s > 0:
+            raise ValueError(f"HealthCheck.patience_s must be > 0 seconds, got {self.patience_s}")
 
     def check(self, record: Mapping[str, object]) -> tuple[dict[str, int], list[str]]:
         """This step's `health/<rule>` figures, and the warnings that are due now."""
         figures, warnings = {}, []
+        seconds = sum(
+            v for k in ("rollout_s", "train_s") if isinstance(v := record.get(k), (int, float)) and v > 0
+        )
         for rule in self.rules:
-            streak = self.streaks.get(rule.name, 0) + 1 if rule.holds(record) else 0
-            self.streaks[rule.name] = streak
+            if rule.holds(record):
+                streak = self.streaks.get(rule.name, 0) + 1
+                held = self.held_s.get(rule.name, 0.0) + seconds
+            else:
+                streak, held = 0, 0.0
+                self.warned.discard(rule.name)
+            self.streaks[rule.name], self.held_s[rule.name] = streak, held
             figures[f"health/{rule.name}"] = streak
-            if streak == self.patience:  # once per stretch: a run that stays stuck says it once
+            # once per stretch: a run that stays stuck says it once
+            due = streak >= self.patience or (streak and held >= self.patience_s)
+            if due and rule.name not in self.warned:
+                self.warned.add(rule.name)
                 value = record[rule.key]
                 assert isinstance(value, (int, float))  # Rule.holds checked it
+                stretch = f"{streak} steps in a row" if streak > 1 else "1 step"
+                if streak < self.patience:
+                    stretch += f" of {held / 60:.0f} min"
                 warnings.append(
                     f"warning: {rule.message(float(value), self.max_new_tokens)} "
-                    f"(for {streak} steps in a row, step {record.get('step')})"
+                    f"(for {stretch}, step {record.get('step')})"
                 )
         return figures, warnings

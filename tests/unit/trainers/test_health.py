@@ -88,3 +88,25 @@ def test_several_conditions_warn_apart_and_a_null_figure_does_not_count():
 def test_patience_must_be_positive():
     with pytest.raises(ValueError, match="HealthCheck.patience must be >= 1, got 0"):
         HealthCheck(max_new_tokens=6, patience=0)
+
+
+def test_slow_steps_warn_after_patience_s_not_after_patience_steps():
+    # a CliffWalking step of SmolLM2 on 2 cores takes half an hour: three of them before a
+    # warning would be an hour and a half of a run that cannot learn
+    check = HealthCheck(max_new_tokens=16)
+    slow = {"completions/clipped_ratio": 0.95, "rollout_s": 1500.0, "train_s": 540.0}
+    out = _steps(check, [slow, slow, slow])
+    assert [len(w) for _, w in out] == [1, 0, 0]  # at the first step, then not again
+    assert out[0][1][0].endswith("(for 1 step of 34 min, step 0)")
+    # quick steps add up: 4 of 200 s pass 600 s at the third, as the step count does too
+    check = HealthCheck(max_new_tokens=16, patience=5)
+    quick = {"completions/clipped_ratio": 0.95, "rollout_s": 150.0, "train_s": 50.0}
+    out = _steps(check, [quick] * 4)
+    assert [len(w) for _, w in out] == [0, 0, 1, 0] and "(for 3 steps in a row of 10 min" in out[2][1][0]
+    # time in steps where the condition does not hold does not count
+    check = HealthCheck(max_new_tokens=16)
+    fine = {"completions/clipped_ratio": 0.1, "rollout_s": 1500.0}
+    out = _steps(check, [fine, {**quick, "rollout_s": 10.0}])
+    assert [len(w) for _, w in out] == [0, 0]
+    with pytest.raises(ValueError, match="HealthCheck.patience_s must be > 0 seconds, got 0"):
+        HealthCheck(max_new_tokens=6, patience_s=0)
