@@ -200,3 +200,25 @@ def test_bad_overlap_is_refused(engine, tiny, bad):
     _, tok = tiny
     with pytest.raises(ValueError, match=r"co_step: overlap must be an int >= 1 \(1: no overlap\), got"):
         co_step(_convs(engine, tok, 1), turns=1, overlap=bad)
+
+
+def test_the_trainers_rollouts_are_the_same_with_overlap(engine, tiny):
+    """What the trainer runs each step (Rollouter over guess-a-number rows): the same samples,
+    tokens, environment replies and ends with --overlap 2 as without."""
+    from interlens_mcore.distributed import ParallelGroups
+    from interlens_mcore.rollout.rollouter import RolloutConfig, Rollouter
+    from interlens_mcore.tasks.guess import guess_tasks
+
+    _, tok = tiny
+    rows = guess_tasks(4, seed=1)
+    seen = []
+    for overlap in (1, 2):
+        config = RolloutConfig(num_generations=4, max_new_tokens=4, seed=3, overlap=overlap)
+        rollouter = Rollouter(
+            engine=engine, tokenizer=tok, groups=ParallelGroups(rank=0, world_size=1), config=config
+        )
+        rollout = rollouter.run(rows, step=2)
+        convs = [(c.status, c.stop_reason, [m.content for m in c.messages]) for c in rollout.conversations]
+        seen.append(([t.token_ids for t in rollout.trajectories], convs))
+    assert seen[0] == seen[1] and len(seen[0][0]) == 16
+    assert len({tuple(ids) for ids in seen[0][0]}) > 1  # sampled, not one reply copied
