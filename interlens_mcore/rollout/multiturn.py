@@ -29,7 +29,7 @@ from .results import (
     step_result,
     turn_end_result,
 )
-from .round import Call, Driver, Need, each, no_running_loop, raise_first, run_rounds, settle
+from .round import Call, Driver, Need, each, in_thread, no_running_loop, raise_first, run_rounds, settle
 from .scheduler import (
     EngineRollout,
     MultiTurnError,
@@ -202,24 +202,69 @@ class _Turns(Driver):
         first: Sequence[ResponseChoice],
         rollout_fn: RolloutFn,
         request_config: SamplingParams,
+        overlap: int = 1,
     ):
-        self.run, self.requests, self.choices = run, requests, first
+        self.run, self.requests, self.first = run, requests, first
         self.rollout_fn, self.request_config = rollout_fn, request_config
         self.slots: list[_Slot] | None = None  # None until started (in the first local phase)
-        self.running: list[_Slot] = []
-        self.turn = 1
+        # overlap: the requests in `overlap` slices taking rounds in turn, as in co_step; per
+        # slice its running slots, the engine's last answers to them and their turn
+        self.overlap, self.rounds, self.current = overlap, 0, 0
+        self.running: list[list[_Slot]] = []
+        self.choices: list[Sequence[ResponseChoice]] = []
+        self.turns: list[int] = [1] * overlap
+        self.pending: dict[int, asyncio.Task] = {}  # slices whose hooks run beside rollout_fn
+
+    def busy(self) -> bool:
+        return self.overlap > 1 and self.slots is not None and any(self.running)
 
     async def local(self) -> dict[str, Need]:
         if self.slots is None:
-            self.slots = self.running = _start(self.requests, self.run)
-        self.running = await self._round(self.running, self.choices, self.turn)
-        return {"rollout_fn": Need(engine="rollout_fn", rows=len(self.running))} if self.running else {}
+            self.slots = _start(self.requests, self.run)
+            if len(self.first) != len(self.slots):  # before slicing hides it
+                raise ValueError(f"turn 1: got {len(self.first)} responses for {len(self.slots)} requests")
+            k = self.overlap
+            self.running = [self.slots[s::k] for s in range(k)]
+            self.choices = [list(self.first[s::k]) for s in range(k)]
+        self.current = s = self.rounds % self.overlap
+        self.rounds += 1
+        task = self.pending.pop(s, None)
+        if task is not None:  # started while rollout_fn generated for another slice
+            self.running[s] = await task
+        else:
+            self.running[s] = await self._round(self.running[s], self.choices[s], self.turns[s])
+        self.choices[s] = []
+        running = self.running[s]
+        return {"rollout_fn": Need(engine="rollout_fn", rows=len(running))} if running else {}
 
     def call(self, calls: list[Call]) -> None:
         # one collective per round while any rank works, whatever this rank asked: an idle rank
         # calls rollout_fn with no requests
-        self.turn += 1
-        self.choices = self.rollout_fn([s.request for s in self.running], self.request_config)
+        s = self.current
+        self.turns[s] += 1
+        self.choices[s] = self.rollout_fn([slot.request for slot in self.running[s]], self.request_config)
+
+    async def call_async(self, calls: list[Call]) -> None:
+        if self.overlap == 1:
+            return self.call(calls)
+        s = self.current
+        if not calls:  # no rank has this slice's requests left (the same on every rank): no call
+            return
+        for t in range(self.overlap):  # the other slices' hooks and steps run while rollout_fn does
+            if t != s and t not in self.pending and self.running[t]:
+                self.pending[t] = asyncio.create_task(
+                    self._round(self.running[t], self.choices[t], self.turns[t])
+                )
+        self.turns[s] += 1
+        requests = [slot.request for slot in self.running[s]]
+        self.choices[s] = await in_thread(self.rollout_fn, requests, self.request_config)
+
+    async def cancel_pending(self) -> None:
+        tasks = list(self.pending.values())
+        self.pending.clear()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _round(self, slots: list[_Slot], choices: Sequence[ResponseChoice], turn: int) -> list[_Slot]:
         """Everything between two engine calls; returns the slots that need another turn."""
@@ -283,6 +328,7 @@ async def run_multi_turn_async(
     step_timeout_s: float | None = None,
     train_turns: TrainTurns = "all",
     on_sample_error: OnSampleError = "raise",
+    overlap: int = 1,
 ) -> list[RolloutOutput]:
     """`run_multi_turn` for callers inside a running event loop."""
     if max_turns is not None and max_turns < 1:
@@ -290,15 +336,19 @@ async def run_multi_turn_async(
     check_time_limit(step_timeout_s, "run_multi_turn: step_timeout_s")
     check_train_turns(train_turns, "run_multi_turn")
     check_on_sample_error(on_sample_error, "run_multi_turn: on_sample_error")
+    if not isinstance(overlap, int) or isinstance(overlap, bool) or overlap < 1:
+        raise ValueError(f"run_multi_turn: overlap must be an int >= 1 (1: no overlap), got {overlap!r}")
     chat = scheduler.chat
     vocab = len(chat.tokenizer) if chat is not None else None
     run = _Run(scheduler, max_turns, step_timeout_s, vocab, train_turns, SampleErrors(on_sample_error))
-    driver = _Turns(run, requests, first_turn_outputs, rollout_fn, request_config)
+    driver = _Turns(run, requests, first_turn_outputs, rollout_fn, request_config, overlap)
     try:
         await run_rounds(driver, gather_fn=gather_fn, rank=rank)
     except RolloutError as err:
         cls = MultiTurnValueError if isinstance(err, ValueError) else MultiTurnError
         raise cls(err.failures, [s.output for s in driver.slots or []]) from err.__cause__
+    finally:
+        await driver.cancel_pending()
     return [s.output for s in driver.slots or []]
 
 
@@ -315,6 +365,7 @@ def run_multi_turn(
     step_timeout_s: float | None = None,
     train_turns: TrainTurns = "all",
     on_sample_error: OnSampleError = "raise",
+    overlap: int = 1,
 ) -> list[RolloutOutput]:
     """Drive this rank's requests to the end; one output per request, in request order.
 
@@ -348,6 +399,12 @@ def run_multi_turn(
     output) on that request: it ends FAILED, its `error` "scheduler: <ExcType>: <text>", and
     the others carry on; nothing is raised for it. Failures that are not one request's
     (rollout_fn and its answers, the vote, bad arguments) fail the rollout whatever it says.
+
+    `overlap` > 1 runs the requests in that many slices taking rounds in turn, as
+    `co_step(overlap=...)` does: while `rollout_fn` answers one slice (in a worker thread), the
+    other slices' `on_turn_end` hooks and steps run. A request's turns are the same as without
+    it when `rollout_fn`'s answer to a request does not depend on the others in its call
+    (`EngineRollout`'s do not: it seeds each request on its own).
     """
     no_running_loop("run_multi_turn")
     return asyncio.run(run_multi_turn_async(**locals()))  # every argument, by name

@@ -472,6 +472,7 @@ class Rollouter:
             rank=plan.rank,
             step_timeout_s=plan.step_timeout_s,
             on_sample_error=plan.on_sample_error,
+            overlap=self.config.overlap,
         )
         trajectories = []
         for o, sample in zip(outputs, plan.samples, strict=True):

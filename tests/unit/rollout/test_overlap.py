@@ -222,3 +222,96 @@ def test_the_trainers_rollouts_are_the_same_with_overlap(engine, tiny):
         seen.append(([t.token_ids for t in rollout.trajectories], convs))
     assert seen[0] == seen[1] and len(seen[0][0]) == 16
     assert len({tuple(ids) for ids in seen[0][0]}) > 1  # sampled, not one reply copied
+
+
+# -- run_multi_turn: the scheduler path (ms-swift's hooks, tools in on_turn_end) -----------------
+
+
+def _multi_turn(tiny, overlap, n=5, rollout_fn=None, scheduler=None):
+    from interlens_mcore.chat import ChatFormat
+    from interlens_mcore.rollout.multiturn import (
+        EngineRollout,
+        MultiTurnRequest,
+        ToolScheduler,
+        run_multi_turn,
+    )
+
+    model, tok = tiny
+    chat = ChatFormat(tok)
+
+    class Tools(ToolScheduler):
+        """Async tool results; request i finishes after (i % 3) + 1 turns."""
+
+        async def on_turn_end(self, request, response_choice, current_turn):
+            await asyncio.sleep(0.001)
+            return {"done": current_turn > request.index % 3}
+
+    rollout_fn = rollout_fn or EngineRollout(HFEngine(model, tok), chat, seed=3)
+    cfg = SamplingParams(temperature=1.0, max_new_tokens=5)
+    requests = [
+        MultiTurnRequest.from_messages(chat, [{"role": "user", "content": f"question {i}"}], index=i)
+        for i in range(n)
+    ]
+    first = rollout_fn(requests, cfg)
+    outs = run_multi_turn(
+        requests,
+        first,
+        scheduler or Tools(chat, lambda text: f"result {len(text)}"),
+        rollout_fn,
+        cfg,
+        overlap=overlap,
+    )
+    return [(o.num_turns, o.status, o.to_trajectory().token_ids) for o in outs]
+
+
+def test_multi_turn_overlap_gives_the_same_outputs(tiny):
+    reference = _multi_turn(tiny, 1)
+    assert sorted({turns for turns, _, _ in reference}) == [1, 2, 3]
+    for overlap in (2, 3, 8):
+        assert _multi_turn(tiny, overlap) == reference, f"overlap={overlap}"
+
+
+def test_multi_turn_hooks_run_while_rollout_fn_answers_another_slice(tiny):
+    from interlens_mcore.chat import ChatFormat
+    from interlens_mcore.rollout.multiturn import EngineRollout, ToolScheduler
+
+    model, tok = tiny
+    chat = ChatFormat(tok)
+    inner = EngineRollout(HFEngine(model, tok), chat, seed=3)
+    state = {"generating": None, "waited": []}
+    other_ran = threading.Event()
+
+    def rollout_fn(requests, cfg):
+        if state["generating"] is not None or not requests:  # the first turn, outside the rounds
+            return inner(requests, cfg)
+        other_ran.clear()
+        state["generating"] = {r.index for r in requests}
+        state["waited"].append(other_ran.wait(timeout=10))
+        state["generating"] = None
+        return inner(requests, cfg)
+
+    class Watch(ToolScheduler):
+        async def on_turn_end(self, request, response_choice, current_turn):
+            for _ in range(200):  # up to 2 s: the first turn's hooks of slice 0 have no call beside them
+                busy = state["generating"]
+                if busy is not None and request.index not in busy:
+                    other_ran.set()
+                    break
+                await asyncio.sleep(0.01)
+            return {"done": current_turn >= 3}
+
+    state["generating"] = set()  # the first turn goes straight through
+    first_done = False
+
+    def gated(requests, cfg):
+        nonlocal first_done
+        if not first_done:
+            first_done = True
+            state["generating"] = None
+            return inner(requests, cfg)
+        return rollout_fn(requests, cfg)
+
+    _multi_turn(tiny, 2, n=4, rollout_fn=gated, scheduler=Watch(chat, lambda text: "ok"))
+    # two slices, turns 2 and 3 of each: four calls, each beside the other slice's hooks (the
+    # first beside slice 1's hooks of the first turn)
+    assert state["waited"] == [True] * 4, state["waited"]
