@@ -175,7 +175,7 @@ def test_vote_follows_the_rollout_group(tiny_path, tp):
         assert r0 == r1 == (0, 1) and c0 == c1 == 3
 
 
-def _uneven_multi_turn(rank, world, tiny_path, fail_rank):
+def _uneven_multi_turn(rank, world, tiny_path, fail_rank, overlap=1):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from interlens_mcore import (
@@ -221,20 +221,27 @@ def _uneven_multi_turn(rank, world, tiny_path, fail_rank):
             max_turns,
             groups.gather_fn(),
             rank=groups.rollout_rank,
+            overlap=overlap,
         )
     except RolloutError as exc:
         return "error", str(exc), len(engine.calls)
-    return "ok", [o.num_turns for o in outs], len(engine.calls)
+    ids = [o.to_trajectory().token_ids for o in outs]
+    return "ok", [o.num_turns for o in outs], len(engine.calls), ids
 
 
 def test_run_multi_turn_uneven_turns_finish(tiny_path):
-    (s0, turns0, calls0), (s1, turns1, calls1) = run_ranks(
+    (s0, turns0, calls0, ids0), (s1, turns1, calls1, ids1) = run_ranks(
         _uneven_multi_turn, 2, str(tiny_path), -1, timeout=120
     )
     assert (s0, s1) == ("ok", "ok")
     assert turns0 == [1, 1] and turns1 == [5, 5]
     # first turn + 4 voted rounds on both ranks: the idle rank kept calling with no rows
     assert calls0 == calls1 == 5
+    # with two slices a rank (one request each): the same outputs; rank 1's slices take turns,
+    # 4 calls each, and rank 0 joins every one of them
+    (o0, t0, c0, i0), (o1, t1, c1, i1) = run_ranks(_uneven_multi_turn, 2, str(tiny_path), -1, 2, timeout=120)
+    assert (o0, o1, t0, t1) == ("ok", "ok", turns0, turns1) and (i0, i1) == (ids0, ids1)
+    assert c0 == c1 == 1 + 2 * 4
 
 
 def test_run_multi_turn_failure_on_one_rank_fails_both(tiny_path):
