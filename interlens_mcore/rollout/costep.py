@@ -13,6 +13,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,10 +39,10 @@ from .round import (
     Call,
     Driver,
     Need,
+    SideLoop,
     each,
     engine_registry,
     generate_waves,
-    in_thread,
     key_of,
     no_running_loop,
     run_rounds,
@@ -111,7 +112,9 @@ class _CoStep(Driver):
         self.slices = [convs[s::overlap] for s in range(overlap)]
         self.rounds = 0
         self.current = 0  # the slice whose rows this round holds
-        self.pending: dict[int, asyncio.Task] = {}  # slices whose Python turns run beside the engine
+        # with overlap every slice's Python turns run on a side loop, beside the engine's calls
+        self.side = SideLoop() if overlap > 1 else None
+        self.pending: dict[int, concurrent.futures.Future] = {}  # started there, not yet awaited
 
     def open(self, c: Conversation) -> bool:
         return not c.finished and (self.turns is None or c.turns_taken < self.limit[id(c)])
@@ -123,11 +126,11 @@ class _CoStep(Driver):
     async def local(self) -> dict[str, Need]:
         self.current = s = self.rounds % self.overlap
         self.rounds += 1
-        task = self.pending.pop(s, None)
-        if task is not None:  # started while the engine generated another slice's turns
-            await task
-        else:
+        if self.side is None:
             await self._python_turns(self.slices[s])
+        else:  # most started while the engine generated another slice's turns
+            running = self.pending.pop(s, None) or self.side.submit(self._python_turns(self.slices[s]))
+            await asyncio.wrap_future(running)
         self.rows = defaultdict(list)
         for c in self.slices[s]:
             if self.open(c) and isinstance(c.speaker, Policy):
@@ -152,13 +155,11 @@ class _CoStep(Driver):
             "a stop; give them stop conditions (run_until, stop_when) or pass turns"
         )
 
-    async def cancel_pending(self) -> None:
-        """Stop the slices' Python turns still running (the rollout failed elsewhere)."""
-        tasks = list(self.pending.values())
+    def close(self) -> None:
+        """Stop the slices' Python turns still running (the rollout failed elsewhere) and the side loop."""
         self.pending.clear()
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if self.side is not None:
+            self.side.close()
 
     def _row(self, c: Conversation, p: Policy) -> _Row | None:
         prompt, engine = c.prompt_ids(p), p.engine
@@ -226,25 +227,13 @@ class _CoStep(Driver):
             raise errors[0]
 
     async def call_async(self, calls: list[Call]) -> None:
-        if self.overlap == 1:
-            return self.call(calls)
-        # the other slices' environment and tool turns start now and run while the engine
-        # generates in a worker thread; each slice's next round waits for its own
-        for t, convs in enumerate(self.slices):
-            if t != self.current and t not in self.pending and any(self.open(c) for c in convs):
-                self.pending[t] = asyncio.create_task(self._python_turns(convs))
-        errors = []
-        for call in calls:
-            try:
-                rows = self.rows.get(call.key, [])
-                engine = self.registry[call.engine]
-                requests = [r.request for r in rows]
-                results = await in_thread(generate_waves, engine, requests, call, self.max_batch_size)
-                self._commit_all(rows, results)
-            except Exception as exc:
-                errors.append(exc)
-        if errors:
-            raise errors[0]
+        if self.side is not None:
+            # the other slices' environment and tool turns start on the side loop and run while
+            # the engine generates here; each slice's next round waits for its own
+            for t, convs in enumerate(self.slices):
+                if t != self.current and t not in self.pending and any(self.open(c) for c in convs):
+                    self.pending[t] = self.side.submit(self._python_turns(convs))
+        self.call(calls)
 
     def _generate(self, call: Call) -> None:
         engine = self.registry[call.engine]  # every rank holds it: run_rounds checked the ballots
@@ -357,7 +346,7 @@ async def co_step_async(
         bound = max_rounds * overlap if turns is None else None
         await run_rounds(driver, gather_fn=gather_fn, rank=rank, bound=bound, error=error)
     finally:
-        await driver.cancel_pending()
+        driver.close()
         release(claimed)
     return convs
 
@@ -402,9 +391,10 @@ def co_step(
     not one conversation's (an engine call, the vote, bad arguments) always fail the rollout.
 
     `overlap` > 1 splits the conversations into that many slices (every overlap-th one) that
-    take rounds in turn: while the engine generates one slice's policy turns (in a worker
-    thread, with the caller's CUDA device and grad mode), the other slices' environment and
-    tool turns run on the event loop. A conversation's turns, seeds and tokens are the same as
+    take rounds in turn: while the engine generates one slice's policy turns on the calling
+    thread, the other slices' environment and tool turns run on an event loop in a helper
+    thread (every environment turn runs there then, so an environment must not rely on being
+    on the main thread, e.g. for signals). A conversation's turns, seeds and tokens are the same as
     without overlap (rows are seeded per conversation and the engines' tokens do not depend on
     the batch); each round votes as before, one slice at a time. It pays off when environment
     or tool turns take about as long as a round's generation; with instant environments it

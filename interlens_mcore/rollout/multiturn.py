@@ -11,6 +11,7 @@ re-exported here.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from .results import (
     step_result,
     turn_end_result,
 )
-from .round import Call, Driver, Need, each, in_thread, no_running_loop, raise_first, run_rounds, settle
+from .round import Call, Driver, Need, SideLoop, each, no_running_loop, raise_first, run_rounds, settle
 from .scheduler import (
     EngineRollout,
     MultiTurnError,
@@ -213,7 +214,9 @@ class _Turns(Driver):
         self.running: list[list[_Slot]] = []
         self.choices: list[Sequence[ResponseChoice]] = []
         self.turns: list[int] = [1] * overlap
-        self.pending: dict[int, asyncio.Task] = {}  # slices whose hooks run beside rollout_fn
+        # with overlap every slice's hooks and steps run on a side loop, beside rollout_fn's calls
+        self.side = SideLoop() if overlap > 1 else None
+        self.pending: dict[int, concurrent.futures.Future] = {}  # started there, not yet awaited
 
     def busy(self) -> bool:
         return self.overlap > 1 and self.slots is not None and any(self.running)
@@ -228,11 +231,13 @@ class _Turns(Driver):
             self.choices = [list(self.first[s::k]) for s in range(k)]
         self.current = s = self.rounds % self.overlap
         self.rounds += 1
-        task = self.pending.pop(s, None)
-        if task is not None:  # started while rollout_fn generated for another slice
-            self.running[s] = await task
-        else:
+        if self.side is None:
             self.running[s] = await self._round(self.running[s], self.choices[s], self.turns[s])
+        else:  # most started while rollout_fn answered another slice
+            started = self.pending.pop(s, None) or self.side.submit(
+                self._round(self.running[s], self.choices[s], self.turns[s])
+            )
+            self.running[s] = await asyncio.wrap_future(started)
         self.choices[s] = []
         running = self.running[s]
         return {"rollout_fn": Need(engine="rollout_fn", rows=len(running))} if running else {}
@@ -245,26 +250,21 @@ class _Turns(Driver):
         self.choices[s] = self.rollout_fn([slot.request for slot in self.running[s]], self.request_config)
 
     async def call_async(self, calls: list[Call]) -> None:
-        if self.overlap == 1:
+        if self.side is None:
             return self.call(calls)
         s = self.current
         if not calls:  # no rank has this slice's requests left (the same on every rank): no call
             return
         for t in range(self.overlap):  # the other slices' hooks and steps run while rollout_fn does
             if t != s and t not in self.pending and self.running[t]:
-                self.pending[t] = asyncio.create_task(
-                    self._round(self.running[t], self.choices[t], self.turns[t])
-                )
-        self.turns[s] += 1
-        requests = [slot.request for slot in self.running[s]]
-        self.choices[s] = await in_thread(self.rollout_fn, requests, self.request_config)
+                rest = self._round(self.running[t], self.choices[t], self.turns[t])
+                self.pending[t] = self.side.submit(rest)
+        self.call(calls)
 
-    async def cancel_pending(self) -> None:
-        tasks = list(self.pending.values())
+    def close(self) -> None:
         self.pending.clear()
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if self.side is not None:
+            self.side.close()
 
     async def _round(self, slots: list[_Slot], choices: Sequence[ResponseChoice], turn: int) -> list[_Slot]:
         """Everything between two engine calls; returns the slots that need another turn."""
@@ -348,7 +348,7 @@ async def run_multi_turn_async(
         cls = MultiTurnValueError if isinstance(err, ValueError) else MultiTurnError
         raise cls(err.failures, [s.output for s in driver.slots or []]) from err.__cause__
     finally:
-        await driver.cancel_pending()
+        driver.close()
     return [s.output for s in driver.slots or []]
 
 
@@ -401,10 +401,10 @@ def run_multi_turn(
     (rollout_fn and its answers, the vote, bad arguments) fail the rollout whatever it says.
 
     `overlap` > 1 runs the requests in that many slices taking rounds in turn, as
-    `co_step(overlap=...)` does: while `rollout_fn` answers one slice (in a worker thread), the
-    other slices' `on_turn_end` hooks and steps run. A request's turns are the same as without
-    it when `rollout_fn`'s answer to a request does not depend on the others in its call
-    (`EngineRollout`'s do not: it seeds each request on its own).
+    `co_step(overlap=...)` does: while `rollout_fn` answers one slice on the calling thread,
+    the other slices' `on_turn_end` hooks and steps run on an event loop in a helper thread. A
+    request's turns are the same as without it when `rollout_fn`'s answer to a request does not
+    depend on the others in its call (`EngineRollout`'s do not: it seeds each request alone).
     """
     no_running_loop("run_multi_turn")
     return asyncio.run(run_multi_turn_async(**locals()))  # every argument, by name

@@ -176,25 +176,40 @@ def test_a_failing_environment_in_the_other_slice_fails_the_rollout(engine, tiny
     assert convs[0].status is Status.FAILED and convs[1].turns_taken == 8
 
 
-def test_the_engine_thread_keeps_the_callers_grad_mode(engine, tiny):
+def test_the_engine_generates_on_the_calling_thread_and_environments_beside_it(engine, tiny):
+    """torch keeps its thread pool and the caller's grad mode and device: generation stays on the
+    calling thread (in a worker thread it ran 1.5 to 2 times slower here); environment turns
+    move to the side loop's thread, then that thread ends."""
     _, tok = tiny
-    modes = []
+    where = {"engine": [], "env": []}
 
     class Mode:
         name, max_context, stats = engine.name, engine.max_context, engine.stats
 
         def generate(self, requests):
-            modes.append((torch.is_grad_enabled(), threading.current_thread() is threading.main_thread()))
+            where["engine"].append(
+                (torch.is_grad_enabled(), threading.current_thread() is threading.main_thread())
+            )
             return engine.generate(requests)
+
+    class Where(Environment):
+        name = "env"
+
+        async def respond(self, conv):
+            where["env"].append(threading.current_thread().name)
+            return "lower"
 
     pol = Policy("agent", Mode(), tok, SamplingParams(temperature=1.0, max_new_tokens=2))
     convs = [
-        Conversation([pol, Hint(i)], [Message(speaker="user", content="x")], run_until=MaxTurns(2))
-        for i in range(2)
+        Conversation([pol, Where()], [Message(speaker="user", content="x")], run_until=MaxTurns(4))
+        for _ in range(2)
     ]
+    before = threading.active_count()
     with torch.no_grad():
         co_step(convs, turns=None, overlap=2)
-    assert modes and all(m == (False, False) for m in modes)
+    assert where["engine"] and all(m == (False, True) for m in where["engine"])
+    assert set(where["env"]) == {"interlens-overlap"} and len(where["env"]) == 4
+    assert threading.active_count() == before  # the side loop's thread is gone
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
