@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     out_dir = tempfile.mkdtemp(prefix="bench_train_step.")
     flags = [*rest, "--steps", str(args.steps), "--save-every", "1000000", "--eval-every", "0"]
     opts = parse([*flags, "--output-dir", out_dir], "bench")
-    source = check(opts)
+    opts, source = check(opts)  # with the task's defaults applied, as launch/train_grpo.py does
     torch.set_num_threads(1)  # ranks share the cores, as in launch/train_grpo.py
     distributed.init_distributed(timeout_s=opts.trainer.collective_timeout_s)
     try:
