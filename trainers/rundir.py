@@ -38,6 +38,7 @@ RESUMABLE = {
     # with a higher limit, or with --on-sample-error raise to see the first failure
     "max_failed_fraction",
     "on_sample_error",
+    "overlap",  # how a rollout's rounds are scheduled, not what they produce
 }
 
 

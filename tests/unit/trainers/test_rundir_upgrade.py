@@ -29,3 +29,12 @@ def test_an_option_newer_than_the_run_set_otherwise_is_a_change(tmp_path):
 def test_a_key_no_option_has_is_still_compared(tmp_path):
     with pytest.raises(rundir.RunDirError, match="task_source"):
         _run(tmp_path, task_source={"name": "guess"})
+
+
+def test_overlap_may_change_on_resume_it_changes_no_result(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / rundir.RUN_FILE).write_text(json.dumps({"lr": 0.001, "steps": 3, "overlap": 1}))
+    rundir.check(out, {"lr": 0.001, "steps": 5, "overlap": 2}, resume=True)
+    with pytest.raises(rundir.RunDirError, match="lr"):
+        rundir.check(out, {"lr": 0.002, "steps": 5, "overlap": 2}, resume=True)
