@@ -13,7 +13,6 @@ Example::
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ from .round import (
     Call,
     Driver,
     Need,
-    SideLoop,
+    Slices,
     each,
     engine_registry,
     generate_waves,
@@ -108,29 +107,20 @@ class _CoStep(Driver):
         self.rows: dict[str, list[_Row]] = {}
         # overlap: the conversations in `overlap` slices taking rounds in turn; while the engine
         # generates one slice's turns, the other slices' environment and tool turns run
-        self.overlap = overlap
         self.slices = [convs[s::overlap] for s in range(overlap)]
-        self.rounds = 0
-        self.current = 0  # the slice whose rows this round holds
-        # with overlap every slice's Python turns run on a side loop, beside the engine's calls
-        self.side = SideLoop() if overlap > 1 else None
-        self.pending: dict[int, concurrent.futures.Future] = {}  # started there, not yet awaited
+        self.slicing = Slices(overlap)
 
     def open(self, c: Conversation) -> bool:
         return not c.finished and (self.turns is None or c.turns_taken < self.limit[id(c)])
 
     def busy(self) -> bool:
         # a slice whose turn it is not may still have work: every rank keeps voting while it does
-        return self.overlap > 1 and any(self.open(c) for c in self.convs)
+        return self.slicing.on and any(self.open(c) for c in self.convs)
 
     async def local(self) -> dict[str, Need]:
-        self.current = s = self.rounds % self.overlap
-        self.rounds += 1
-        if self.side is None:
-            await self._python_turns(self.slices[s])
-        else:  # most started while the engine generated another slice's turns
-            running = self.pending.pop(s, None) or self.side.submit(self._python_turns(self.slices[s]))
-            await asyncio.wrap_future(running)
+        s = self.slicing.next()
+        # with overlap most started while the engine generated another slice's turns
+        await self.slicing.run(s, lambda: self._python_turns(self.slices[s]))
         self.rows = defaultdict(list)
         for c in self.slices[s]:
             if self.open(c) and isinstance(c.speaker, Policy):
@@ -154,12 +144,6 @@ class _CoStep(Driver):
             f"co_step: conversations {left} took {self.max_rounds} turns without a policy turn or "
             "a stop; give them stop conditions (run_until, stop_when) or pass turns"
         )
-
-    def close(self) -> None:
-        """Stop the slices' Python turns still running (the rollout failed elsewhere) and the side loop."""
-        self.pending.clear()
-        if self.side is not None:
-            self.side.close()
 
     def _row(self, c: Conversation, p: Policy) -> _Row | None:
         prompt, engine = c.prompt_ids(p), p.engine
@@ -227,12 +211,11 @@ class _CoStep(Driver):
             raise errors[0]
 
     async def call_async(self, calls: list[Call]) -> None:
-        if self.side is not None:
-            # the other slices' environment and tool turns start on the side loop and run while
-            # the engine generates here; each slice's next round waits for its own
-            for t, convs in enumerate(self.slices):
-                if t != self.current and t not in self.pending and any(self.open(c) for c in convs):
-                    self.pending[t] = self.side.submit(self._python_turns(convs))
+        # the other slices' environment and tool turns run while the engine generates here; each
+        # slice's next round waits for its own
+        self.slicing.start_others(
+            lambda t: any(self.open(c) for c in self.slices[t]), lambda t: self._python_turns(self.slices[t])
+        )
         self.call(calls)
 
     def _generate(self, call: Call) -> None:
@@ -346,7 +329,7 @@ async def co_step_async(
         bound = max_rounds * overlap if turns is None else None
         await run_rounds(driver, gather_fn=gather_fn, rank=rank, bound=bound, error=error)
     finally:
-        driver.close()
+        driver.slicing.close()
         release(claimed)
     return convs
 

@@ -11,9 +11,8 @@ re-exported here.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 
 from ..engines.base import SamplingParams
@@ -30,7 +29,7 @@ from .results import (
     step_result,
     turn_end_result,
 )
-from .round import Call, Driver, Need, SideLoop, each, no_running_loop, raise_first, run_rounds, settle
+from .round import Call, Driver, Need, Slices, each, no_running_loop, raise_first, run_rounds, settle
 from .scheduler import (
     EngineRollout,
     MultiTurnError,
@@ -210,16 +209,13 @@ class _Turns(Driver):
         self.slots: list[_Slot] | None = None  # None until started (in the first local phase)
         # overlap: the requests in `overlap` slices taking rounds in turn, as in co_step; per
         # slice its running slots, the engine's last answers to them and their turn
-        self.overlap, self.rounds, self.current = overlap, 0, 0
+        self.overlap, self.slicing = overlap, Slices(overlap)
         self.running: list[list[_Slot]] = []
         self.choices: list[Sequence[ResponseChoice]] = []
         self.turns: list[int] = [1] * overlap
-        # with overlap every slice's hooks and steps run on a side loop, beside rollout_fn's calls
-        self.side = SideLoop() if overlap > 1 else None
-        self.pending: dict[int, concurrent.futures.Future] = {}  # started there, not yet awaited
 
     def busy(self) -> bool:
-        return self.overlap > 1 and self.slots is not None and any(self.running)
+        return self.slicing.on and self.slots is not None and any(self.running)
 
     async def local(self) -> dict[str, Need]:
         if self.slots is None:
@@ -229,15 +225,9 @@ class _Turns(Driver):
             k = self.overlap
             self.running = [self.slots[s::k] for s in range(k)]
             self.choices = [list(self.first[s::k]) for s in range(k)]
-        self.current = s = self.rounds % self.overlap
-        self.rounds += 1
-        if self.side is None:
-            self.running[s] = await self._round(self.running[s], self.choices[s], self.turns[s])
-        else:  # most started while rollout_fn answered another slice
-            started = self.pending.pop(s, None) or self.side.submit(
-                self._round(self.running[s], self.choices[s], self.turns[s])
-            )
-            self.running[s] = await asyncio.wrap_future(started)
+        s = self.slicing.next()
+        # with overlap most started while rollout_fn answered another slice
+        self.running[s] = await self.slicing.run(s, lambda: self._slice_round(s))
         self.choices[s] = []
         running = self.running[s]
         return {"rollout_fn": Need(engine="rollout_fn", rows=len(running))} if running else {}
@@ -245,26 +235,21 @@ class _Turns(Driver):
     def call(self, calls: list[Call]) -> None:
         # one collective per round while any rank works, whatever this rank asked: an idle rank
         # calls rollout_fn with no requests
-        s = self.current
+        s = self.slicing.current
         self.turns[s] += 1
         self.choices[s] = self.rollout_fn([slot.request for slot in self.running[s]], self.request_config)
 
     async def call_async(self, calls: list[Call]) -> None:
-        if self.side is None:
+        if not self.slicing.on:
             return self.call(calls)
-        s = self.current
         if not calls:  # no rank has this slice's requests left (the same on every rank): no call
             return
-        for t in range(self.overlap):  # the other slices' hooks and steps run while rollout_fn does
-            if t != s and t not in self.pending and self.running[t]:
-                rest = self._round(self.running[t], self.choices[t], self.turns[t])
-                self.pending[t] = self.side.submit(rest)
+        # the other slices' hooks and steps run while rollout_fn answers this one
+        self.slicing.start_others(lambda t: bool(self.running[t]), self._slice_round)
         self.call(calls)
 
-    def close(self) -> None:
-        self.pending.clear()
-        if self.side is not None:
-            self.side.close()
+    def _slice_round(self, s: int) -> Coroutine[object, object, list[_Slot]]:
+        return self._round(self.running[s], self.choices[s], self.turns[s])
 
     async def _round(self, slots: list[_Slot], choices: Sequence[ResponseChoice], turn: int) -> list[_Slot]:
         """Everything between two engine calls; returns the slots that need another turn."""
@@ -348,7 +333,7 @@ async def run_multi_turn_async(
         cls = MultiTurnValueError if isinstance(err, ValueError) else MultiTurnError
         raise cls(err.failures, [s.output for s in driver.slots or []]) from err.__cause__
     finally:
-        driver.close()
+        driver.slicing.close()
     return [s.output for s in driver.slots or []]
 
 

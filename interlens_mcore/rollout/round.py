@@ -158,6 +158,49 @@ class SideLoop:
                 self.loop.close()
 
 
+class Slices:
+    """Overlap's bookkeeping, for either driver: whose round it is among `k` slices, and their
+    local work (Python turns, hooks) on a `SideLoop` beside the engine call (k > 1)."""
+
+    def __init__(self, k: int) -> None:
+        self.k, self.rounds, self.current = k, 0, 0
+        self.side = SideLoop() if k > 1 else None
+        self.pending: dict[int, concurrent.futures.Future] = {}  # started there, not yet awaited
+
+    @property
+    def on(self) -> bool:
+        return self.side is not None
+
+    def next(self) -> int:
+        """The slice whose round begins."""
+        self.current = self.rounds % self.k
+        self.rounds += 1
+        return self.current
+
+    async def run(self, s: int, work: Callable[[], Coroutine[object, object, T]]) -> T:
+        """Slice `s`'s local work: started beside the last engine call, or now."""
+        if self.side is None:
+            return await work()
+        started = self.pending.pop(s, None) or self.side.submit(work())
+        return await asyncio.wrap_future(started)
+
+    def start_others(
+        self, has_work: Callable[[int], bool], work: Callable[[int], Coroutine[object, object, object]]
+    ) -> None:
+        """Before the engine call: the other slices' local work starts on the side loop."""
+        if self.side is None:
+            return
+        for t in range(self.k):
+            if t != self.current and t not in self.pending and has_work(t):
+                self.pending[t] = self.side.submit(work(t))
+
+    def close(self) -> None:
+        """Cancel what still runs on the side loop (the rollout failed elsewhere) and stop it."""
+        self.pending.clear()
+        if self.side is not None:
+            self.side.close()
+
+
 def key_of(signature: tuple) -> str:
     """A digest that is the same on every rank (no object ids), used to align engine calls."""
     return hashlib.sha1(repr(signature).encode()).hexdigest()[:16]
