@@ -282,22 +282,58 @@ def export_hf(
 ) -> Path:
     """Write `model` as an HF folder that `from_pretrained` loads; call on every rank.
 
-    Shards are gathered over each TP group; global rank 0 writes `model.safetensors` (one
-    file, in the parameters' dtype, or `dtype`) and copies every non-weight file of `src_folder` (config,
-    generation config, tokenizer, chat template; an HF folder or a sharded megatron
-    checkpoint, whose own files are left out). Ends with a barrier over the world.
+    Shards are gathered over each TP group. At PP=1 global rank 0 writes `model.safetensors` (one
+    file); under pipeline parallelism each stage's first TP rank of data-parallel index 0 writes
+    its own layers as `model-0000K-of-0000P.safetensors` and rank 0 writes HF's
+    `model.safetensors.index.json`, so no stage's weights travel to another (a tied embedding is
+    written once, by the first stage). Tensors are in the parameters' dtype, or `dtype`. Global
+    rank 0 copies every non-weight file of `src_folder` (config, generation config, tokenizer,
+    chat template; an HF folder or a sharded megatron checkpoint, whose own files are left out).
+    Ends with a barrier over the world.
     """
     src, out = Path(src_folder), Path(out_dir)
     state = gather_hf_state_dict(model, layout)
     if dtype is not None:  # megatron's norms stay float32 in a bfloat16 model
         state = {k: v.to(dtype) for k, v in state.items()}
-    if distributed.rank() == 0:
-        from safetensors.torch import save_file
+    from safetensors.torch import save_file
 
+    if distributed.rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
+        for f in out.glob("model*.safetensors*"):  # an earlier export's weights, which HF would prefer
+            f.unlink()
         for f in src.iterdir():
             if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES) and f.name not in CHECKPOINT_FILES:
                 shutil.copy2(f, out / f.name)
-        save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    stages = pipeline_size()
+    if stages == 1:
+        if distributed.rank() == 0:
+            save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+        distributed.barrier()
+        return out
+    from megatron.core import parallel_state as ps
+
+    stage_rank = ps.get_pipeline_model_parallel_rank()
+    if layout.tied_embeddings and stage_rank > 0:  # the last stage's copy of the embedding
+        state.pop("model.embed_tokens.weight", None)
+    writes = ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
+    name = f"model-{stage_rank + 1:05d}-of-{stages:05d}.safetensors"
+    distributed.barrier()  # the folder exists
+    if writes:
+        save_file(state, out / name, metadata={"format": "pt"})
+    sizes = {k: v.numel() * v.element_size() for k, v in state.items()}
+    # names and sizes only: the weights stay with their stage
+    written = distributed.all_gather_object((name, sizes) if writes else None)
+    if distributed.rank() == 0:
+        import json
+
+        weight_map: dict[str, str] = {}
+        total = 0
+        for item in written:
+            if item is not None:
+                file, file_sizes = item
+                weight_map.update(dict.fromkeys(file_sizes, file))
+                total += sum(file_sizes.values())
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     distributed.barrier()
     return out

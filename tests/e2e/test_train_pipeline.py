@@ -6,12 +6,16 @@ rows, generate the same tokens (MegatronEngine samples exactly under either spli
 the union of their samples. So each step's reward, loss, gradient norm and token count must
 agree, up to the float error of summing the layers' gradients in another order; from step 1 on
 that also checks the weights the previous update left. A checkpoint saved at PP=2 resumes at
-PP=1 (TP=2) and its next step is the uninterrupted run's.
+PP=1 (TP=2) and its next step is the uninterrupted run's. Both runs export the trained model
+(`--export-hf`): PP=2's stages write their own files under HF's index, and the tensors are TP=2's.
 """
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 from support.launch import SMALL, metrics, torchrun
 
 ARGS = [*SMALL, "--eval-every", "0", "--backend", "megatron"]
@@ -45,11 +49,35 @@ def _same_steps(got: list[dict], want: list[dict], steps: list[int]) -> None:
         assert r["entropy"] == pytest.approx(w["entropy"], rel=1e-5), r["step"]
 
 
+def _exported(folder) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
 def test_pp2_trains_as_tp2_and_its_checkpoint_resumes_at_pp1(tmp_path):
-    tp2 = _run(tmp_path / "tp2", "--tp", "2")
-    pp2 = _run(tmp_path / "pp2", "--pp", "2")
+    tp2 = _run(tmp_path / "tp2", "--tp", "2", "--export-hf", str(tmp_path / "tp2_hf"))
+    pp2 = _run(tmp_path / "pp2", "--pp", "2", "--export-hf", str(tmp_path / "pp2_hf"))
     _same_steps(pp2, tp2, [0, 1, 2])
     assert all(r["grad_norm"] > 0 for r in pp2)
+    # --export-hf at PP=2: a stage a file, with HF's index over them; the trained model TP=2 exports
+    index = json.loads((tmp_path / "pp2_hf" / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in (tmp_path / "pp2_hf").glob("*.safetensors"))
+    assert files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    want, got = _exported(tmp_path / "tp2_hf"), _exported(tmp_path / "pp2_hf")
+    assert set(index["weight_map"]) == set(got) == set(want)
+    assert index["weight_map"]["model.layers.0.mlp.down_proj.weight"] == files[0]
+    assert index["weight_map"]["model.norm.weight"] == files[1]
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "pp2_hf").state_dict()
+    for name, tensor in got.items():
+        assert torch.equal(loaded[name], tensor), name
     # two steps at PP=2 (SMALL saves at step 2), the third at PP=1 from that checkpoint
     out = tmp_path / "resumed"
     _run(out, "--pp", "2", steps=2)

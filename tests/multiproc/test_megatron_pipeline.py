@@ -235,3 +235,42 @@ def test_a_checkpoint_reshards_across_pipeline_sizes(tiny_path, tmp_path, saved_
     if "output_layer.weight" in want:  # saved at PP=2: the tied copies stepped alike
         tied, embedding = want["output_layer.weight"], want["embedding.word_embeddings.weight"]
         assert np.array_equal(tied[0], embedding[0]) and np.array_equal(tied[1], embedding[1])
+
+
+def _export(rank, world_size, tiny_path, tp, pp, out):
+    from interlens_mcore import distributed
+    from interlens_mcore.megatron import build_model, export_hf, load_layout
+    from interlens_mcore.megatron.weights import load_weights
+
+    distributed.init_megatron(tp, pp=pp)
+    layout = load_layout(tiny_path)
+    model = build_model(layout, init_weights=False)
+    load_weights(model, layout, tiny_path)
+    export_hf(model, layout, tiny_path, out)
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(1, 2), (2, 2)])
+def test_export_under_pp_writes_a_stage_a_file_with_the_hf_tensors(tiny_path, tmp_path, tp, pp):
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"an earlier export")  # replaced, not left to shadow the index
+    run_ranks(_export, tp * pp, str(tiny_path), tp, pp, str(out))
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    source = {}
+    for f in tiny_path.glob("*.safetensors"):
+        source.update(load_file(f))
+    got = {name: load_file(out / file)[name] for name, file in index["weight_map"].items()}
+    assert set(got) == set(source)
+    for name, tensor in source.items():
+        assert torch.equal(got[name], tensor), name  # bit for bit: nothing trained
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in got.values())
+    assert (out / "config.json").is_file()
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert all(torch.equal(model.state_dict()[n], t) for n, t in got.items())

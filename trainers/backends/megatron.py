@@ -415,11 +415,6 @@ class MegatronBackend:
     def export_hf(self, out_dir: str | Path) -> Path:
         """The trained weights as an HF folder (collective over the world); with LoRA the merged
         model, and the adapters alone in peft's layout in its `adapter/`."""
-        if self.pp > 1:
-            raise ValueError(
-                f"export_hf({str(out_dir)!r}) under --pp {self.pp}: gathering the stages into one HF "
-                "folder is not built yet; convert a checkpoint with launch/convert.py at --pp 1"
-            )
         out = export_hf(self.model, self.layout_info, self.model_path, out_dir)
         if self.lora is not None:
             self._save_adapter(Path(out) / ADAPTER_DIR)
