@@ -71,8 +71,10 @@ def test_pp2_trains_as_tp2_and_its_checkpoint_resumes_at_pp1(tmp_path):
     assert set(index["weight_map"]) == set(got) == set(want)
     assert index["weight_map"]["model.layers.0.mlp.down_proj.weight"] == files[0]
     assert index["weight_map"]["model.norm.weight"] == files[1]
+    # Adam turns the float error of the gradients into up to ~2e-5 here (steps of lr 1e-3 on
+    # rows a near-zero gradient moves by its sign); a wrong tensor would be off by the update
     for name, tensor in want.items():
-        torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-4, msg=name)
     from transformers import AutoModelForCausalLM
 
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "pp2_hf").state_dict()
