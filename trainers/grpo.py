@@ -170,6 +170,7 @@ class GRPOTrainer:
         self.health = HealthCheck(max_new_tokens=self.rollout_config.max_new_tokens)
         # what the progress bar says the step is doing (the Reporter's note while `train` runs)
         self.say: Callable[[str], None] = lambda text: None
+        self.warn: Callable[[str], None] = lambda text: None  # a health warning (rank 0's report)
         # a failure on any rank reaches every rank of the world as its named cause, at once; the
         # check waits as long as any collective may (a rank that failed early waits there)
         timeout = world_check_timeout_s if world_check_timeout_s is not None else config.collective_timeout_s
@@ -219,7 +220,7 @@ class GRPOTrainer:
             run_info=self.run_info,
         )
         records = []
-        self.say = report.note
+        self.say, self.warn = report.note, report.warn
         self.stop.start()
         try:
             while self.step < cfg.steps and not self.stop.agreed(self.world_check):
@@ -279,9 +280,29 @@ class GRPOTrainer:
         failures.check(self.config.max_failed_fraction)
         with distributed.stage("advantages"):  # an estimator's batch step: over the world's samples
             penalty = self.advantages(rollout)
+        with distributed.stage("rollout figures"):
+            figures = self.rollout_record(rollout, components, t0)
+        # a warning the rollout alone makes due is said now: on a slow task the update may take
+        # longer than the rollout
+        for line in self.health.early({"step": self.step, **figures, **failures.figures()}):
+            self.warn(line)
         with distributed.stage("update"):
-            rec = self.update_and_record(rollout, components, t0)
+            rec = self.update_and_record(rollout, figures)
         return {**rec, **failures.figures(), **refilled, **penalty}, rollout
+
+    def rollout_record(self, rollout: Rollout, components: dict[str, list[float | None]], t0: float) -> dict:
+        """The step's rollout figures over the world (collective), with `rollout_s` since `t0`."""
+        return {
+            # over the world, each rank its own samples (before any sharing over TP)
+            **record.rollout_figures(
+                rollout,
+                components,
+                None,
+                dataset_of=self.tasks.dataset_of,
+                logged=self.rewards.take_metrics(),
+            ),
+            "rollout_s": round(time.perf_counter() - t0, 3),
+        }
 
     def advantages(self, rollout: Rollout) -> dict[str, float]:
         """The estimator's batch step over the world, in place (collective); with --kl-in-reward
@@ -341,10 +362,9 @@ class GRPOTrainer:
         figures = {"dynamic/extra_rounds": float(extra), "dynamic/kept_groups": float(kept_all[0])}
         return batch, parts, figures
 
-    def update_and_record(
-        self, rollout: Rollout, components: dict[str, list[float | None]], t0: float
-    ) -> dict:
-        """The collective part of a step, after its world check: the update and the step's figures."""
+    def update_and_record(self, rollout: Rollout, figures: dict) -> dict:
+        """The collective part of a step, after its world check: the update, and the step's record
+        from the rollout's `figures` (`rollout_record`) and the update's."""
         rcfg, cfg = self.rollout_config, self.config
         shared = self.share_over_tp(rollout)
         t1 = time.perf_counter()
@@ -377,23 +397,14 @@ class GRPOTrainer:
         sync = torch.tensor([self.backend.sync_engine_weights()], dtype=torch.float64)
         sync_s = float(distributed.all_reduce(sync, "max")[0])
         t2 = time.perf_counter()
-        rec = {
+        return {
             "step": self.step,
-            # over the world, each rank its own samples: under TP `shared` holds its group's union
-            **record.rollout_figures(
-                rollout,
-                components,
-                None,
-                dataset_of=self.tasks.dataset_of,
-                logged=self.rewards.take_metrics(),
-            ),
+            **figures,
             **record.train_figures(metrics, skipped_steps=self.skipped_steps),
             "learning_rate": lr,  # the schedule's rate of this step (TRL's name)
-            "rollout_s": round(t1 - t0, 3),
             "train_s": round(t2 - t1, 3),
             "weight_sync_s": round(sync_s, 4),
         }
-        return rec
 
     def together(self, stage: str, fn: Callable[..., T], *args: object) -> T:
         """`fn(*args)` as a local phase named `stage`, then the world agrees that no rank failed.

@@ -4,7 +4,9 @@ Each `Rule` reads one figure of the step's record. `HealthCheck.check(record)` r
 `health/<rule>` figures (for how many steps in a row the rule's condition has held; 0 when it
 does not) and, when a condition has held for `patience` steps in a row or for steps that took
 `patience_s` seconds together (a slow task warns after its first long step), one warning line
-for it, repeated only after the condition cleared and came back (a resumed run counts afresh)::
+for it, repeated only after the condition cleared and came back (a resumed run counts afresh).
+`HealthCheck.early(rollout_record)` says a warning already due on the step's rollout figures
+before the update, which on a slow task may take longer than the rollout::
 
     check = HealthCheck(max_new_tokens=6)
     figures, warnings = check.check(record)   # {"health/clipped_replies": 3, ...}, ["..."]
@@ -124,9 +126,7 @@ class HealthCheck:
     def check(self, record: Mapping[str, object]) -> tuple[dict[str, int], list[str]]:
         """This step's `health/<rule>` figures, and the warnings that are due now."""
         figures, warnings = {}, []
-        seconds = sum(
-            v for k in ("rollout_s", "train_s") if isinstance(v := record.get(k), (int, float)) and v > 0
-        )
+        seconds = _seconds(record, ("rollout_s", "train_s"))
         for rule in self.rules:
             if rule.holds(record):
                 streak = self.streaks.get(rule.name, 0) + 1
@@ -136,17 +136,40 @@ class HealthCheck:
                 self.warned.discard(rule.name)
             self.streaks[rule.name], self.held_s[rule.name] = streak, held
             figures[f"health/{rule.name}"] = streak
-            # once per stretch: a run that stays stuck says it once
-            due = streak >= self.patience or (streak and held >= self.patience_s)
-            if due and rule.name not in self.warned:
-                self.warned.add(rule.name)
-                value = record[rule.key]
-                assert isinstance(value, (int, float))  # Rule.holds checked it
-                stretch = f"{streak} steps in a row" if streak > 1 else "1 step"
-                if streak < self.patience:
-                    stretch += f" of {held / 60:.0f} min"
-                warnings.append(
-                    f"warning: {rule.message(float(value), self.max_new_tokens)} "
-                    f"(for {stretch}, step {record.get('step')})"
-                )
+            warnings += self._due(rule, record, streak, held)
         return figures, warnings
+
+    def early(self, rollout_record: Mapping[str, object]) -> list[str]:
+        """The warnings already due on this step's rollout figures and `rollout_s`, before its
+        update (which may take longer than the rollout): each is said once, and the step's
+        `check` then counts the step without saying it again. Counts nothing itself."""
+        seconds = _seconds(rollout_record, ("rollout_s",))
+        warnings = []
+        for rule in self.rules:
+            if rule.holds(rollout_record):
+                streak = self.streaks.get(rule.name, 0) + 1
+                held = self.held_s.get(rule.name, 0.0) + seconds
+                warnings += self._due(rule, rollout_record, streak, held)
+        return warnings
+
+    def _due(self, rule: Rule, record: Mapping[str, object], streak: int, held: float) -> list[str]:
+        """The rule's warning when its stretch is long enough and has not warned yet (marked as
+        warned): once per stretch, so a run that stays stuck says it once."""
+        due = streak >= self.patience or (streak and held >= self.patience_s)
+        if not due or rule.name in self.warned:
+            return []
+        self.warned.add(rule.name)
+        value = record[rule.key]
+        assert isinstance(value, (int, float))  # Rule.holds checked it
+        stretch = f"{streak} steps in a row" if streak > 1 else "1 step"
+        if streak < self.patience:
+            stretch += f" of {held / 60:.0f} min"
+        return [
+            f"warning: {rule.message(float(value), self.max_new_tokens)} "
+            f"(for {stretch}, step {record.get('step')})"
+        ]
+
+
+def _seconds(record: Mapping[str, object], keys: tuple[str, ...]) -> float:
+    """The record's positive durations under `keys`, summed."""
+    return sum(v for k in keys if isinstance(v := record.get(k), (int, float)) and v > 0)

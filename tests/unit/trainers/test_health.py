@@ -110,3 +110,23 @@ def test_slow_steps_warn_after_patience_s_not_after_patience_steps():
     assert [len(w) for _, w in out] == [0, 0]
     with pytest.raises(ValueError, match="HealthCheck.patience_s must be > 0 seconds, got 0"):
         HealthCheck(max_new_tokens=6, patience_s=0)
+
+
+def test_a_slow_rollout_warns_before_its_update_and_the_step_does_not_warn_again():
+    # Taxi with SmolLM2 here: a 12-minute rollout, then a 35-minute update; the warning is due on
+    # the rollout alone, so it comes before the update
+    check = HealthCheck(max_new_tokens=16)
+    rollout = {"step": 0, "invalid/ended_fraction": 0.91, "rollout_s": 748.0}
+    (line,) = check.early(rollout)
+    assert "91% of samples ended on invalid" in line and line.endswith("(for 1 step of 12 min, step 0)")
+    figures, warnings = check.check({**rollout, "train_s": 2082.0})
+    assert figures["health/invalid_moves"] == 1 and warnings == []  # counted once, said once
+    # early counts nothing: a quick rollout's condition warns at the patience'th step, said once
+    check = HealthCheck(max_new_tokens=16)
+    quick = {"invalid/ended_fraction": 0.91, "rollout_s": 5.0}
+    said = []
+    for step in range(4):
+        said.append(check.early({"step": step, **quick}))
+        said.append(check.check({"step": step, **quick, "train_s": 5.0})[1])
+    assert [len(w) for w in said] == [0, 0, 0, 0, 1, 0, 0, 0]  # early, at the third step
+    assert check.streaks["invalid_moves"] == 4
