@@ -334,11 +334,6 @@ def check(args: Args) -> tuple[Args, TaskSource]:
             raise UsageError("--vllm-sleep: vLLM's sleep mode frees GPU memory and needs a GPU (none here)")
     if args.launch.export_hf is not None and b.backend != "megatron":
         raise UsageError("--export-hf is available with --backend megatron only")
-    if b.pp > 1 and args.loss.entropy_coeff > 0:
-        raise UsageError(
-            f"--entropy-coeff with --pp {b.pp}: not built yet (the entropy bonus's gradient through "
-            "the stages); use --pp 1"
-        )
     source = add_tools(args, base)
     try:
         t.micro_batch_size(t.batch_size * len(source.trained_seats), r.micro_batch_size)

@@ -9,12 +9,13 @@ gradients over megatron's embedding group after each backward.
 `run(model, layout, batches, ...)` drives `get_forward_backward_func()` over packed micro-batches
 (one `TrainingBatch` each, lengths free: megatron's `variable_seq_lengths` sends each
 activation's shape first). On the last stage each micro-batch's logits become the logprobs of
-its targets, and, when training, `loss_of(i, logprobs)` is the loss megatron's schedule
-backpropagates, as it is: the GRPO loss is already divided by global token counts, so the
-schedule's per-micro-batch averaging is turned off (`calculate_per_token_loss`, with a token
-count of 1). Every stage gets the logprobs back (a broadcast from the last stage; their shapes
-are known from the batches), so what comes after the forward (masks, denominators, metrics) runs
-alike on every rank.
+its targets, and, when training, `loss_of(i, logprobs, entropy)` is the loss megatron's
+schedule backpropagates, as it is (`entropy`: the micro-batch's policy entropy with gradient,
+for an entropy bonus, when asked for; else None): the GRPO loss is already divided by global
+token counts, so the schedule's per-micro-batch averaging is turned off
+(`calculate_per_token_loss`, with a token count of 1). Every stage gets the logprobs back (a
+broadcast from the last stage; their shapes are known from the batches), so what comes after
+the forward (masks, denominators, metrics) runs alike on every rank.
 
 On CPU megatron 0.16.1's schedule and point-to-point code allocate receive buffers and a token
 counter on `torch.cuda.current_device()` and call `torch.cuda.synchronize()`; for the length of
@@ -28,7 +29,7 @@ Example (every rank of the pipeline group, same batches)::
 
     distributed.init_megatron(1, pp=2)
     model = build_model(layout)                          # this rank's stage
-    lps = pipeline.run(model, layout, batches, loss_of=lambda i, lp: my_loss(i, lp))
+    lps = pipeline.run(model, layout, batches, loss_of=lambda i, lp, h: my_loss(i, lp))
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ from .model import ModelLayout, compute_autocast, mask_padded_vocab, packed_seq_
 from .spec import packed_positions
 from .stages import pipeline_size, stage
 
-LossOf = Callable[[int, torch.Tensor], torch.Tensor]  # (micro-batch index, [1, T] logprobs) -> loss
+# (micro-batch index, [1, T] logprobs, [1, T] entropy with gradient or None) -> loss
+LossOf = Callable[[int, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 class _CpuTorch(types.ModuleType):
@@ -102,13 +104,15 @@ def run(
     loss_of: LossOf | None = None,
     compute_dtype: torch.dtype | None = None,
     entropies: list[torch.Tensor] | None = None,
+    entropy_grad: bool = False,
 ) -> list[torch.Tensor]:
     """Every micro-batch through the pipeline: [1, T_i] logprobs of its targets on every stage.
 
     With `loss_of` the schedule also runs the backward of `loss_of(i, logprobs)` (built on the
     last stage; gradients accumulate in the stage's parameters); without it, forward only and no
     graph. With `entropies` (a list), it receives each micro-batch's [1, T_i] policy entropy
-    (no gradient) on every stage too. Collective over the pipeline group (and TP); every rank
+    (no gradient) on every stage too. With `entropy_grad`, `loss_of` gets each micro-batch's
+    entropy with gradient (an entropy bonus). Collective over the pipeline group (and TP); every rank
     passes the same batches.
     """
     from megatron.core import parallel_state as ps
@@ -136,16 +140,20 @@ def run(
                 logits, targets, vocab_start=start, temperature=temperature, group=group
             )
         lp = lp[None]  # [1, T]
-        loss = lp.sum() * 0.0 if loss_of is None else loss_of(i, lp)
+        h = None
+        if entropies is not None or entropy_grad:
+            grad = entropy_grad and not forward_only
+            if tp == 1:
+                h = token_entropy(logits, temperature=temperature, grad=grad)
+            else:
+                group = ps.get_tensor_model_parallel_group()
+                h = vocab_parallel_token_entropy(logits, temperature=temperature, group=group, grad=grad)
+            h = h[None]  # [1, T]
+        loss = lp.sum() * 0.0 if loss_of is None else loss_of(i, lp, h if entropy_grad else None)
         stored = {"logprobs": lp.detach()}
         if entropies is not None:
-            if tp == 1:
-                h = token_entropy(logits, temperature=temperature)
-            else:
-                h = vocab_parallel_token_entropy(
-                    logits, temperature=temperature, group=ps.get_tensor_model_parallel_group()
-                )
-            stored["entropy"] = h[None]
+            assert h is not None
+            stored["entropy"] = h.detach()
         return loss, torch.ones((), dtype=torch.int), stored
 
     def forward_step(data: Iterator[int], stage_model: torch.nn.Module):

@@ -18,7 +18,8 @@ import pytest
 import torch
 from support.launch import SMALL, metrics, torchrun
 
-ARGS = [*SMALL, "--eval-every", "0", "--backend", "megatron"]
+# with an entropy bonus: its gradient goes through the stages as the logprobs' does
+ARGS = [*SMALL, "--eval-every", "0", "--backend", "megatron", "--entropy-coeff", "0.01"]
 
 
 def _run(out, *layout: str, steps: int = 3, nproc: int = 2, resume: bool = False) -> list[dict]:

@@ -40,7 +40,7 @@ def _loss_of(batches):
     tokens = float(sum(int(b.loss_mask.sum()) for b in batches))
     sequences = float(sum(len(b.seq_lens) for b in batches))
 
-    def loss_of(i, lp):
+    def loss_of(i, lp, h):
         return batch_loss(lp, batches[i], cfg, num_tokens=tokens, num_sequences=sequences)[0]
 
     return loss_of

@@ -220,13 +220,6 @@ SECTIONS: list[tuple[str, list[Refusal]]] = [
                 env=(("WORLD_SIZE", "2"),),
             ),
             Refusal(
-                "pipeline parallelism with an entropy bonus",
-                ("--pp", "2", "--entropy-coeff", "0.01"),
-                "--entropy-coeff with --pp 2: not built yet (the entropy bonus's gradient through the "
-                "stages); use --pp 1",
-                env=(("WORLD_SIZE", "2"),),
-            ),
-            Refusal(
                 "pipeline parallelism with LoRA",
                 ("--pp", "2", "--lora-rank", "8"),
                 "--pp 2 with --lora-rank 8: not built yet (adapters over pipeline stages); use --pp 1",

@@ -155,11 +155,11 @@ class MegatronBackend:
         self.pp = pipeline_size()
         if self.pp > 1:
             _check_pipelined(path=self.path, vllm=vllm, lora=lora)
-        # under PP: (batch, d loss / d logprobs) of each backward, run through megatron's schedule
-        # at the optimizer step (see `backward`)
-        self._deferred: list[tuple[TrainingBatch, torch.Tensor]] = []
-        # the batch and logprobs the next backward differentiates
-        self._pending: tuple[TrainingBatch, torch.Tensor] | None = None
+        # under PP: (batch, d loss / d logprobs, d loss / d entropy or None) of each backward, run
+        # through megatron's schedule at the optimizer step (see `backward`)
+        self._deferred: list[tuple[TrainingBatch, torch.Tensor, torch.Tensor | None]] = []
+        # the batch, logprobs and entropy (with an entropy bonus) the next backward differentiates
+        self._pending: tuple[TrainingBatch, torch.Tensor, torch.Tensor | None] | None = None
         overrides = model_overrides(options, path=self.path, tp_size=self.layout_info.tp_size)
         self.params_dtype = overrides.pop("params_dtype", torch.float32)
         if lora is not None and compute_dtype is not None and self.path == "torch":
@@ -305,7 +305,8 @@ class MegatronBackend:
     ) -> torch.Tensor:
         """[1, T] logprobs through the pipeline's stages (forward only; on every stage). With
         gradient they are a leaf that `backward` differentiates the loss by. A policy forward
-        also sets `token_entropy` (from the last stage, without gradient: no entropy bonus)."""
+        also sets `token_entropy` (from the last stage); with `entropy_grad` (an entropy bonus) it
+        is a leaf with gradient too."""
         hs: list[torch.Tensor] | None = [] if entropy else None
         (lp,) = pipeline.run(
             model,
@@ -320,21 +321,30 @@ class MegatronBackend:
         if not torch.is_grad_enabled():
             return lp
         leaf = lp.detach().requires_grad_(True)
-        self._pending = (batch, leaf)
+        h_leaf = None
+        if hs and self.entropy_grad:
+            h_leaf = self.token_entropy = hs[0].detach().requires_grad_(True)
+        self._pending = (batch, leaf, h_leaf)
         return leaf
 
     def backward(self, loss: torch.Tensor) -> None:
         if self.pp > 1:
-            # The loss depends on the weights only through the logprobs of `_pipeline_logprobs`:
-            # keep d loss / d logprobs, and let megatron's schedule backpropagate
-            # sum(logprobs * that) through the stages at the optimizer step, every micro-batch of
-            # the update in one 1F1B run (the same gradient, one more forward per micro-batch)
+            # The loss depends on the weights only through the logprobs (and, with an entropy
+            # bonus, the entropies) of `_pipeline_logprobs`: keep d loss / d logprobs (and
+            # d loss / d entropy), and let megatron's schedule backpropagate
+            # sum(logprobs * that) (+ sum(entropy * that)) through the stages at the optimizer
+            # step, every micro-batch of the update in one 1F1B run (the same gradient, one more
+            # forward per micro-batch)
             pending, self._pending = self._pending, None
             if pending is None:
                 raise RuntimeError("backward under PP: no logprobs with gradient since the last backward")
-            batch, lp = pending
-            (grad,) = torch.autograd.grad(loss, lp, allow_unused=True)
-            self._deferred.append((batch, torch.zeros_like(lp) if grad is None else grad.detach()))
+            batch, lp, h = pending
+            leaves = [lp] if h is None else [lp, h]
+            grads = [
+                torch.zeros_like(x) if g is None else g.detach()
+                for x, g in zip(leaves, torch.autograd.grad(loss, leaves, allow_unused=True), strict=True)
+            ]
+            self._deferred.append((batch, grads[0], grads[1] if h is not None else None))
             return
         # megatron's linear layers save the autocast state of the CUDA device for their backward;
         # on CPU the backward itself runs under autocast, so its matmuls see one dtype
@@ -344,16 +354,24 @@ class MegatronBackend:
     def optimizer_step(self) -> float:
         """See `Backend.optimizer_step`: one global norm on every rank, a non-finite one skips."""
         if self._deferred:
-            batches = [b for b, _ in self._deferred]
-            grads = [g for _, g in self._deferred]
+            batches = [b for b, _, _ in self._deferred]
+            grads = [(g, g_h) for _, g, g_h in self._deferred]
             self._deferred = []
+            with_entropy = any(g_h is not None for _, g_h in grads)
+
+            def loss_of(i: int, lp: torch.Tensor, h: torch.Tensor | None) -> torch.Tensor:
+                g, g_h = grads[i]
+                loss = (lp * g.to(lp.dtype)).sum()
+                return loss if h is None or g_h is None else loss + (h * g_h.to(h.dtype)).sum()
+
             pipeline.run(
                 self.model,
                 self.layout_info,
                 batches,
                 temperature=self.temperature,
                 compute_dtype=self.compute_dtype,
-                loss_of=lambda i, lp: (lp * grads[i].to(lp.dtype)).sum(),
+                loss_of=loss_of,
+                entropy_grad=with_entropy,
             )
         return self.training.step()
 
