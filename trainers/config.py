@@ -405,15 +405,19 @@ class BackendConfig:
                 f"BackendConfig.pp {self.pp}: the {self.backend} backend has no pipeline parallelism "
                 "(use --pp 1, or --backend megatron)"
             )
-        for name, on, what in (
-            ("engine", self.engine != "native", "per-stage weight gathering into vLLM"),
-            ("lora_rank", self.lora_rank > 0, "adapters over pipeline stages"),
-        ):
-            if on:
-                raise ValueError(
-                    f"BackendConfig.pp {self.pp} with BackendConfig.{name} {getattr(self, name)}: not built "
-                    f"yet ({what}); use --pp 1"
-                )
+        if self.engine != "native":
+            raise ValueError(
+                f"BackendConfig.pp {self.pp} with BackendConfig.engine {self.engine}: not built yet "
+                "(per-stage weight gathering into vLLM); use --pp 1"
+            )
+        if self.lora_rank and self.lora_dropout > 0 and self.recompute:
+            # megatron's schedule keeps several micro-batches in flight: a layer recomputed in a
+            # backward would draw another micro-batch's dropout mask
+            raise ValueError(
+                f"BackendConfig.pp {self.pp} with LoRA dropout {self.lora_dropout} and recompute: the "
+                "recomputed layers would not draw their forward's dropout masks; use --lora-dropout 0 "
+                "or drop --recompute"
+            )
 
     def _check_lora(self) -> None:
         if self.lora_rank < 0:

@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import math
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -117,8 +117,10 @@ class _Adapter:
 
     def dropout(self, x: torch.Tensor, p: float, forward: int) -> torch.Tensor:
         # a generator of its own per model forward: a layer recomputed in the backward
-        # (activation checkpointing) draws the mask it drew in the forward
-        gen = torch.Generator(x.device).manual_seed(self.seed + (forward << 32))
+        # (activation checkpointing) draws the mask it drew in the forward. torch's CPU generator
+        # keeps a seed's low 32 bits only: the forward's number is mixed into them (an odd
+        # multiplier, so a layer's forwards never share a seed)
+        gen = torch.Generator(x.device).manual_seed((self.seed + forward * 0x9E3779B1) % 2**32)
         keep = torch.rand((*x.shape[:-1], self.in_full), generator=gen, device=x.device) >= p
         keep = keep[..., self.in_offset : self.in_offset + x.shape[-1]]
         return x * keep.to(x.dtype) / (1.0 - p)
@@ -296,6 +298,33 @@ def adapters_off(model: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         state.enabled = was
+
+
+def forward_number(model: torch.nn.Module) -> int:
+    """How many forwards the model has run (LoRA dropout's seed is the next one's); 0 without
+    adapters."""
+    state = state_of(model)
+    return 0 if state is None else state.forwards
+
+
+@contextlib.contextmanager
+def replaying(model: torch.nn.Module, forwards: list[int]) -> Iterator[Callable[[int], None]]:
+    """For the length of the block, `before(i)` (called before forward `i` of a replay) makes that
+    forward draw the dropout masks of the forward that came after `forwards[i]` forwards; after
+    the block the count is where it was. Without adapters `before` does nothing."""
+    state = state_of(model)
+    if state is None:
+        yield lambda i: None
+        return
+    saved = state.forwards
+
+    def before(i: int) -> None:
+        state.forwards = forwards[i]  # the model's pre-hook then counts this forward as the next
+
+    try:
+        yield before
+    finally:
+        state.forwards = saved
 
 
 @torch.no_grad()

@@ -105,6 +105,7 @@ def run(
     compute_dtype: torch.dtype | None = None,
     entropies: list[torch.Tensor] | None = None,
     entropy_grad: bool = False,
+    before_forward: Callable[[int], None] | None = None,
 ) -> list[torch.Tensor]:
     """Every micro-batch through the pipeline: [1, T_i] logprobs of its targets on every stage.
 
@@ -112,7 +113,8 @@ def run(
     last stage; gradients accumulate in the stage's parameters); without it, forward only and no
     graph. With `entropies` (a list), it receives each micro-batch's [1, T_i] policy entropy
     (no gradient) on every stage too. With `entropy_grad`, `loss_of` gets each micro-batch's
-    entropy with gradient (an entropy bonus). Collective over the pipeline group (and TP); every rank
+    entropy with gradient (an entropy bonus). `before_forward(i)` runs before micro-batch `i`'s
+    forward on this stage. Collective over the pipeline group (and TP); every rank
     passes the same batches.
     """
     from megatron.core import parallel_state as ps
@@ -159,6 +161,8 @@ def run(
     def forward_step(data: Iterator[int], stage_model: torch.nn.Module):
         i = next(data)
         b = batches[i]
+        if before_forward is not None:
+            before_forward(i)
         return _stage_forward(stage_model, b.input_ids, b.cu_seqlens, first), partial(loss_func, i)
 
     grad = contextlib.nullcontext() if not forward_only else torch.no_grad()
@@ -199,6 +203,8 @@ def sum_tied_embedding_grads(model: torch.nn.Module, layout: ModelLayout) -> Non
     if pipeline_size() == 1 or not layout.tied_embeddings or not ps.is_rank_in_embedding_group():
         return
     weight = model.shared_embedding_or_output_weight()  # type: ignore[operator]
+    if not weight.requires_grad:  # frozen (a LoRA base) on both stages alike
+        return
     if weight.grad is None:
         weight.grad = torch.zeros_like(weight)
     torch.distributed.all_reduce(weight.grad, group=ps.get_embedding_group())

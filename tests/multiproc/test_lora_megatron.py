@@ -7,6 +7,9 @@ One job tells the whole story, the test asserts on what it returns:
   peft and the HF export (merged) computes the policy's logprobs; a fresh backend resumes it.
   TP=1 (DP=2, the same batch on both replicas): the same 2 steps give the same adapters, and
   the TP=2 checkpoint loads at TP=1.
+  PP=2 (megatron's schedule, which runs each forward again in its backward): the same 2 steps,
+  dropout masks included, give the same norms and adapters; its peft `adapter/` holds both
+  stages' adapters, and the TP=2 checkpoint loads at PP=2.
 """
 
 from __future__ import annotations
@@ -46,8 +49,8 @@ def _job(rank, world_size, tiny_path: str, root: str):
     )
     options = LoRAOptions(rank=4, alpha=8.0, dropout=0.1, target_modules=TARGETS)
 
-    def build(tp: int) -> MegatronBackend:
-        distributed.init_megatron(tp)
+    def build(tp: int, pp: int = 1) -> MegatronBackend:
+        distributed.init_megatron(tp, pp=pp)
         groups = distributed.build_groups(rollout="model_parallel")
         return MegatronBackend(model_path=tiny_path, groups=groups, lr=1e-2, reference=True, lora=options)
 
@@ -132,6 +135,26 @@ def _job(rank, world_size, tiny_path: str, root: str):
     backend.load(folder)  # the TP=2 checkpoint at TP=1
     loaded = ckpt.full_tensors(backend.model, backend.layout_info)
     out["tp2_checkpoint_at_tp1"] = all(loaded[k].equal(tp2_adapters[k]) for k in adapters)
+    del backend
+    parallel_state.destroy_model_parallel()
+
+    backend = build(1, pp=2)  # a stage a rank, the batch through megatron's schedule
+    out["norms_pp2"] = steps(backend, 2)
+    at_pp2 = ckpt.full_tensors(backend.model, backend.layout_info)  # this stage's
+    mine = [k for k in at_pp2 if ".lora_" in k]
+    out["pp2_adapters"] = len(mine)
+    out["pp2_vs_tp2"] = max(float((at_pp2[k] - tp2_adapters[k]).abs().max()) for k in mine)
+    backend._save_adapter(Path(root) / "pp2_adapter")
+    if rank == 0:
+        from safetensors.torch import load_file
+
+        pp2_file = load_file(Path(root) / "pp2_adapter" / "adapter_model.safetensors")
+        tp2_file = load_file(folder / "adapter" / "adapter_model.safetensors")
+        out["pp2_file_keys_same"] = sorted(pp2_file) == sorted(tp2_file)
+        out["pp2_file_vs_tp2"] = max(float((pp2_file[k] - tp2_file[k]).abs().max()) for k in tp2_file)
+    backend.load(folder)  # the TP=2 checkpoint at PP=2
+    loaded = ckpt.full_tensors(backend.model, backend.layout_info)
+    out["tp2_checkpoint_at_pp2"] = all(loaded[k].equal(tp2_adapters[k]) for k in mine)
     return out
 
 
@@ -152,12 +175,18 @@ def test_megatron_lora_is_exact_under_tp_and_keeps_one_model(tmp_path, tiny_path
         # rounding of tiny gradients (summed in another order over TP) shows at ~1e-5 here
         assert r["tp1_vs_tp2"] < 1e-4
         assert r["tp2_checkpoint_at_tp1"]
+        # PP=2: each stage one of the 2 layers; the same steps, dropout masks included
+        assert r["pp2_adapters"] == 8
+        assert r["norms_pp2"] == pytest.approx(r["norms_tp2"], rel=1e-4)
+        assert r["pp2_vs_tp2"] < 1e-4
+        assert r["tp2_checkpoint_at_pp2"]
     first = results[0]
     assert {"adapter_model.safetensors", "adapter_config.json"} <= set(first["adapter_files"])
     assert first["peft_targets"] == sorted(
         ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
     assert first["peft_vs_policy"] < 1e-4 and first["merged_vs_policy"] < 1e-4
+    assert first["pp2_file_keys_same"] and first["pp2_file_vs_tp2"] < 1e-4  # both stages' adapters
     # adapters and their optimizer state alone: no base weight in the checkpoint
     assert first["saved"] and all(
         ".lora_" in k or k.startswith("optimizer.param_groups") for k in first["saved"]

@@ -41,11 +41,14 @@ def _job(rank, world_size, tiny_path: str):
             calls = []  # a layer inside a transformer layer runs again when the layer is recomputed
             fc2 = backend.model.decoder.layers[0].mlp.linear_fc2
             fc2.register_forward_pre_hook(lambda module, args, calls=calls: calls.append(1))
+            lps = []
             for _ in range(2):  # two forwards: the second draws other dropout masks
                 lp = backend.logprobs_of(batch)
+                lps.append(lp.detach())
                 loss = -(lp * batch.advantages * batch.loss_mask).sum() / batch.loss_mask.sum()
                 backend.backward(loss)
             out[f"{name}_calls_{recompute}"] = len(calls)
+            out[f"{name}_forwards_differ_{recompute}"] = float((lps[0] - lps[1]).abs().max())
             grads[recompute] = {
                 n: p.grad.clone() for n, p in backend.model.named_parameters() if p.grad is not None
             }
@@ -68,3 +71,7 @@ def test_recompute_gives_the_same_gradients(tiny_path):
             assert r[name]["max_diff"] == pytest.approx(0.0, abs=1e-6), (name, r[name])
             # 2 forwards; with --recompute each layer ran again in each backward
             assert (r[f"{name}_calls_False"], r[f"{name}_calls_True"]) == (2, 4), r
+        # no update between the two forwards: only LoRA's dropout (other masks each forward) differs
+        for recompute in (False, True):
+            assert r[f"full_forwards_differ_{recompute}"] == 0.0
+            assert r[f"lora_forwards_differ_{recompute}"] > 1e-3, r

@@ -220,9 +220,10 @@ SECTIONS: list[tuple[str, list[Refusal]]] = [
                 env=(("WORLD_SIZE", "2"),),
             ),
             Refusal(
-                "pipeline parallelism with LoRA",
-                ("--pp", "2", "--lora-rank", "8"),
-                "--pp 2 with --lora-rank 8: not built yet (adapters over pipeline stages); use --pp 1",
+                "pipeline parallelism with LoRA dropout and recompute",
+                ("--pp", "2", "--lora-rank", "8", "--recompute"),
+                "--pp 2 with LoRA dropout 0.05 and recompute: the recomputed layers would not draw "
+                "their forward's dropout masks; use --lora-dropout 0 or drop --recompute",
                 env=(("WORLD_SIZE", "2"),),
             ),
             Refusal(

@@ -85,7 +85,7 @@ def build(
     return backend, groups
 
 
-def _check_pipelined(*, path: str, vllm: VLLMConfig | None, lora: LoRAOptions | None) -> None:
+def _check_pipelined(*, path: str, vllm: VLLMConfig | None) -> None:
     """ValueError naming what pipeline parallelism cannot run with yet."""
     if path != "torch":
         raise ValueError(
@@ -94,8 +94,6 @@ def _check_pipelined(*, path: str, vllm: VLLMConfig | None, lora: LoRAOptions | 
         )
     if vllm is not None:
         raise ValueError("--pp > 1 with --engine vllm: per-stage weight gathering is not built yet (--pp 1)")
-    if lora is not None:
-        raise ValueError("--pp > 1 with --lora-rank: adapters over stages are not built yet; use --pp 1")
 
 
 def lora_options(cfg: BackendConfig) -> LoRAOptions | None:
@@ -154,12 +152,14 @@ class MegatronBackend:
         self.path = choose_path()  # megatron's DDP and optimizer on GPU, torch's on CPU
         self.pp = pipeline_size()
         if self.pp > 1:
-            _check_pipelined(path=self.path, vllm=vllm, lora=lora)
-        # under PP: (batch, d loss / d logprobs, d loss / d entropy or None) of each backward, run
-        # through megatron's schedule at the optimizer step (see `backward`)
-        self._deferred: list[tuple[TrainingBatch, torch.Tensor, torch.Tensor | None]] = []
-        # the batch, logprobs and entropy (with an entropy bonus) the next backward differentiates
-        self._pending: tuple[TrainingBatch, torch.Tensor, torch.Tensor | None] | None = None
+            _check_pipelined(path=self.path, vllm=vllm)
+        # under PP: (batch, d loss / d logprobs, d loss / d entropy or None, the LoRA forward
+        # number) of each backward, run through megatron's schedule at the optimizer step
+        # (see `backward`)
+        self._deferred: list[tuple[TrainingBatch, torch.Tensor, torch.Tensor | None, int]] = []
+        # the batch, logprobs, entropy (with an entropy bonus) and forward number the next
+        # backward differentiates
+        self._pending: tuple[TrainingBatch, torch.Tensor, torch.Tensor | None, int] | None = None
         overrides = model_overrides(options, path=self.path, tp_size=self.layout_info.tp_size)
         self.params_dtype = overrides.pop("params_dtype", torch.float32)
         if lora is not None and compute_dtype is not None and self.path == "torch":
@@ -308,6 +308,7 @@ class MegatronBackend:
         also sets `token_entropy` (from the last stage); with `entropy_grad` (an entropy bonus) it
         is a leaf with gradient too."""
         hs: list[torch.Tensor] | None = [] if entropy else None
+        forward = megatron_lora.forward_number(model)  # LoRA dropout's masks: the replay draws them again
         (lp,) = pipeline.run(
             model,
             self.layout_info,
@@ -324,7 +325,7 @@ class MegatronBackend:
         h_leaf = None
         if hs and self.entropy_grad:
             h_leaf = self.token_entropy = hs[0].detach().requires_grad_(True)
-        self._pending = (batch, leaf, h_leaf)
+        self._pending = (batch, leaf, h_leaf, forward)
         return leaf
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -338,13 +339,13 @@ class MegatronBackend:
             pending, self._pending = self._pending, None
             if pending is None:
                 raise RuntimeError("backward under PP: no logprobs with gradient since the last backward")
-            batch, lp, h = pending
+            batch, lp, h, forward = pending
             leaves = [lp] if h is None else [lp, h]
             grads = [
                 torch.zeros_like(x) if g is None else g.detach()
                 for x, g in zip(leaves, torch.autograd.grad(loss, leaves, allow_unused=True), strict=True)
             ]
-            self._deferred.append((batch, grads[0], grads[1] if h is not None else None))
+            self._deferred.append((batch, grads[0], grads[1] if h is not None else None, forward))
             return
         # megatron's linear layers save the autocast state of the CUDA device for their backward;
         # on CPU the backward itself runs under autocast, so its matmuls see one dtype
@@ -354,8 +355,9 @@ class MegatronBackend:
     def optimizer_step(self) -> float:
         """See `Backend.optimizer_step`: one global norm on every rank, a non-finite one skips."""
         if self._deferred:
-            batches = [b for b, _, _ in self._deferred]
-            grads = [(g, g_h) for _, g, g_h in self._deferred]
+            batches = [b for b, _, _, _ in self._deferred]
+            grads = [(g, g_h) for _, g, g_h, _ in self._deferred]
+            forwards = [n for _, _, _, n in self._deferred]
             self._deferred = []
             with_entropy = any(g_h is not None for _, g_h in grads)
 
@@ -364,15 +366,19 @@ class MegatronBackend:
                 loss = (lp * g.to(lp.dtype)).sum()
                 return loss if h is None or g_h is None else loss + (h * g_h.to(h.dtype)).sum()
 
-            pipeline.run(
-                self.model,
-                self.layout_info,
-                batches,
-                temperature=self.temperature,
-                compute_dtype=self.compute_dtype,
-                loss_of=loss_of,
-                entropy_grad=with_entropy,
-            )
+            # each micro-batch's forward again as it was: LoRA's dropout draws the masks of the
+            # forward whose logprobs the loss saw; the count then goes on from where it was
+            with megatron_lora.replaying(self.model, forwards) as before_forward:
+                pipeline.run(
+                    self.model,
+                    self.layout_info,
+                    batches,
+                    temperature=self.temperature,
+                    compute_dtype=self.compute_dtype,
+                    loss_of=loss_of,
+                    entropy_grad=with_entropy,
+                    before_forward=before_forward,
+                )
         return self.training.step()
 
     def set_lr(self, lr: float) -> None:
@@ -455,9 +461,13 @@ class MegatronBackend:
 
     def _save_adapter(self, folder: Path) -> None:
         """The adapters as peft's `save_pretrained` writes them, loadable by
-        `PeftModel.from_pretrained(base, folder)`; gathered over TP, written by rank 0."""
+        `PeftModel.from_pretrained(base, folder)`; gathered over TP (and under PP the stages'
+        together: adapters are small), written by rank 0."""
         assert self.lora is not None, "only a LoRA backend has adapters"
         tensors = gather_adapter_state_dict(self.model, self.layout_info)
+        if self.pp > 1:
+            stages = distributed.all_gather_object(tensors, group=self.groups.pp)
+            tensors = {name: t for part in stages for name, t in part.items()}
         if distributed.rank() == 0:
             megatron_lora.save_peft(folder, tensors, self.lora, base_model=str(self.model_path))
         distributed.barrier()
