@@ -109,7 +109,7 @@ def run(
 ) -> list[torch.Tensor]:
     """Every micro-batch through the pipeline: [1, T_i] logprobs of its targets on every stage.
 
-    With `loss_of` the schedule also runs the backward of `loss_of(i, logprobs)` (built on the
+    With `loss_of` the schedule also runs the backward of `loss_of(i, logprobs, entropy)` (built on the
     last stage; gradients accumulate in the stage's parameters); without it, forward only and no
     graph. With `entropies` (a list), it receives each micro-batch's [1, T_i] policy entropy
     (no gradient) on every stage too. With `entropy_grad`, `loss_of` gets each micro-batch's

@@ -62,14 +62,14 @@ def _run(rank, world_size, tiny_path, tp, pp, schedule):
     assert all(p.grad is None for p in model.parameters())
     if schedule:
         trained = pipeline.run(model, layout, batches, loss_of=loss_of)
-        loss = float(sum(loss_of(i, lp) for i, lp in enumerate(trained)).detach())
+        loss = float(sum(loss_of(i, lp, None) for i, lp in enumerate(trained)).detach())
     else:  # the plain forward of PP=1, one micro-batch after the other
         from interlens_mcore.grpo.logprobs import token_logprobs
 
         total = 0.0
         for i, b in enumerate(batches):
             logits = forward_logits(model, layout, b.input_ids, b.cu_seqlens)
-            out = loss_of(i, token_logprobs(logits, b.targets[0])[None])
+            out = loss_of(i, token_logprobs(logits, b.targets[0])[None], None)
             out.backward()
             total += float(out.detach())
         loss, trained = total, forward
