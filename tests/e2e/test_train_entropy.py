@@ -27,14 +27,7 @@ def test_sapo_with_entropy_bonus_and_top_entropy_mask(tmp_path):
         assert r["clip_fraction"] == 0.0  # sapo's soft gate clips nothing
 
 
-def test_entropy_bonus_under_tp2(tmp_path):
-    # the bonus's gradient goes through the vocab-parallel entropy of the sharded logits
-    out = tmp_path / "run"
-    res = torchrun("--output-dir", str(out), "--steps", "2", "--tp", "2", "--entropy-coeff", "0.01", *SMALL)
-    assert res.returncode == 0, res.stderr[-3000:]
-    rows = metrics(out)
-    _check(rows, 2)
-    assert all(r["grad_norm"] > 0 and math.isfinite(r["grad_norm"]) for r in rows)
+# the bonus under TP=2 (vocab-parallel entropy): tests/e2e/test_train_pipeline.py's TP=2 run
 
 
 def test_top_entropy_mask_over_two_dp_ranks_with_geo_mean(tmp_path):

@@ -17,8 +17,7 @@ ADAPTIVE = [
     "--kl-horizon",
     str(HORIZON),
 ]
-SETUPS = {
-    "megatron": ["--backend", "megatron"],
+SETUPS = {  # megatron at TP=1: the resumed-run test's uninterrupted run
     "megatron-tp2": ["--backend", "megatron", "--tp", "2"],
     "deepspeed-zero3": ["--backend", "deepspeed", "--zero-stage", "3"],
 }
@@ -29,12 +28,7 @@ def next_coef(coef: float, kl: float) -> float:
     return coef * (1.0 + error * WORLD_SAMPLES / HORIZON)
 
 
-@pytest.mark.parametrize("setup", list(SETUPS))
-def test_the_coefficient_follows_the_logged_kl(tmp_path, setup):
-    args = ["--steps", "3", "--beta", "0.1", "--lr", "0.01", "--eval-every", "0", *ADAPTIVE, *SMALL]
-    res = torchrun(*args, *SETUPS[setup], "--output-dir", str(tmp_path))
-    assert res.returncode == 0, res.stderr[-3000:]
-    rows = metrics(tmp_path)
+def _follows_the_controller(rows: list[dict]) -> None:
     kl = [r["kl_in_reward/kl"] for r in rows]
     coef = [r["kl_in_reward/coef"] for r in rows]
     assert kl[0] == pytest.approx(0.0, abs=1e-7)  # step 0: the reference is the policy
@@ -46,10 +40,19 @@ def test_the_coefficient_follows_the_logged_kl(tmp_path, setup):
     assert all(r.get("kl", 0.0) == 0.0 for r in rows), [r.get("kl") for r in rows]
 
 
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_the_coefficient_follows_the_logged_kl(tmp_path, setup):
+    args = ["--steps", "3", "--beta", "0.1", "--lr", "0.01", "--eval-every", "0", *ADAPTIVE, *SMALL]
+    res = torchrun(*args, *SETUPS[setup], "--output-dir", str(tmp_path))
+    assert res.returncode == 0, res.stderr[-3000:]
+    _follows_the_controller(metrics(tmp_path))
+
+
 def test_a_resumed_run_goes_on_with_the_adapted_coefficient(tmp_path):
     args = ["--beta", "0.1", "--lr", "0.01", "--eval-every", "0", *ADAPTIVE, *SMALL]
     whole = torchrun(*args, "--steps", "4", "--output-dir", str(tmp_path / "whole"))
     assert whole.returncode == 0, whole.stderr[-3000:]
+    _follows_the_controller(metrics(tmp_path / "whole"))  # megatron at TP=1
     first = torchrun(*args, "--steps", "2", "--output-dir", str(tmp_path / "cut"))  # saves at step 2
     assert first.returncode == 0, first.stderr[-3000:]
     rest = torchrun(*args, "--steps", "4", "--resume", "--output-dir", str(tmp_path / "cut"))

@@ -56,26 +56,6 @@ def make():
 """
 
 
-def test_resume_extends_a_finished_run(tmp_path):
-    out = tmp_path / "run"
-    assert torchrun("--output-dir", str(out), "--steps", "2", *SMALL).returncode == 0
-    res = torchrun("--output-dir", str(out), "--steps", "4", *SMALL, "--resume")
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "resuming at step 2 of 4" in res.stderr
-    assert [r["step"] for r in metrics(out)] == [0, 1, 2, 3]
-
-
-def test_resume_at_another_tp_size(tmp_path):
-    # sharded checkpoints reshard: saved by two TP=2 shards, loaded whole by TP=1 ranks
-    out = tmp_path / "run"
-    res = torchrun("--output-dir", str(out), "--steps", "2", "--tp", "2", *SMALL)
-    assert res.returncode == 0, res.stderr[-3000:]
-    res = torchrun("--output-dir", str(out), "--steps", "3", "--tp", "1", *SMALL, "--resume")
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "resuming at step 2 of 3" in res.stderr
-    assert [r["step"] for r in metrics(out)] == [0, 1, 2]
-
-
 def test_a_failure_on_one_rank_is_every_ranks_last_line(tmp_path):
     (tmp_path / "faulty.py").write_text(FAULTY)
     out = tmp_path / "run"

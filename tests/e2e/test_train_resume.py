@@ -85,6 +85,7 @@ def test_extending_a_run_keeps_every_line_already_written(tmp_path):
     assert json.loads(first[-1]).keys() >= {"step", "eval/success_rate"}  # the final evaluation, step 2
     res = torchrun("--output-dir", str(out), "--steps", "4", *SMALL, "--resume")
     assert res.returncode == 0, res.stderr[-3000:]
+    assert "resuming at step 2 of 4" in res.stderr
     second = (out / "metrics.jsonl").read_text().splitlines()
     assert second[: len(first)] == first  # every line, unchanged and in its place
     assert [r["step"] for r in metrics(out)] == [0, 1, 2, 3]
