@@ -7,7 +7,9 @@ turns x 32 tokens through `co_step` with each engine; then the exact prompts VLL
 replayed through the bare `vllm.LLM.generate` ("raw vLLM"). Per engine: tokens/s, the ratio to
 raw vLLM on the same work, `engine_time_fraction` (time inside the engine's model calls over the
 rollout's wall time) and, for vLLM, `weight_sync_s` of one update from an HF model and from a
-megatron-core model. Each model runs in its own process (one vLLM per process). Prints one JSON
+megatron-core model. Each model runs in its own process (one vLLM per process); with
+`--repeats N` the models' processes alternate N times (tiny, 12M, tiny, 12M, ...) and each figure
+is the median over the repetitions, every repetition's ratio listed beside it. Prints one JSON
 object as the last line.
 """
 
@@ -20,7 +22,7 @@ import subprocess
 import sys
 import time
 
-from common import emit, make_convs, stop_free_policy, timed
+from common import emit, make_convs, median, stop_free_policy, timed
 
 MODELS = {
     "tiny": {},
@@ -135,6 +137,21 @@ def one_model(name: str, args) -> dict:
     return out
 
 
+def medians(results: list[dict]) -> dict:
+    """One model's repetitions as one record: each figure the median over them, and for every
+    engine the ratio of each repetition (`ratios`), so the spread is in the line."""
+    if len(results) == 1:
+        return results[0]
+    out: dict = {"params": results[0]["params"]}
+    for key, first in results[0].items():
+        if key == "params":
+            continue
+        out[key] = {k: median([r[key][k] for r in results]) for k in first}
+        if "ratio_to_raw_vllm" in first:
+            out[key]["ratios"] = [r[key]["ratio_to_raw_vllm"] for r in results]
+    return out
+
+
 def plot(result: dict, out: str) -> None:
     """Tokens/s of each engine per model, raw vLLM beside them (log scale: the models differ 10x)."""
     import matplotlib
@@ -167,6 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=1, help="interleaved repetitions; figures are medians")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # the per-model child process
     ap.add_argument("--json", action="store_true", help="print only the JSON line")
     ap.add_argument("--plot", default=None, help="write a bar chart of tokens/s to this PNG")
@@ -186,14 +204,22 @@ def main(argv: list[str] | None = None) -> dict:
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
         "OMP_NUM_THREADS": str(args.threads),
     }
-    out: dict = {k: getattr(args, k) for k in ("conversations", "turns", "max_new_tokens", "threads")}
-    for name in args.models.split(","):
-        cmd = [sys.executable, __file__, "--one", name, *(argv if argv is not None else sys.argv[1:])]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-        lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
-        if proc.returncode or not lines:
-            raise RuntimeError(f"bench_engines: model {name!r} failed:\n{proc.stderr[-3000:]}")
-        out[name] = json.loads(lines[-1])
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
+    out: dict = {k: getattr(args, k) for k in ("conversations", "turns", "max_new_tokens", "threads", "repeats")}
+    runs: dict[str, list[dict]] = {name: [] for name in args.models.split(",")}
+    for rep in range(args.repeats):
+        for name in runs:
+            cmd = [sys.executable, __file__, "--one", name, *(argv if argv is not None else sys.argv[1:])]
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+            lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+            if proc.returncode or not lines:
+                raise RuntimeError(f"bench_engines: model {name!r} failed (repetition {rep}):\n{proc.stderr[-3000:]}")
+            runs[name].append(json.loads(lines[-1]))
+            if not args.json:
+                print(f"repetition {rep} {name}: {lines[-1]}", flush=True)
+    for name, results in runs.items():
+        out[name] = medians(results)
     if args.plot:
         plot(out, args.plot)
     return emit(out, args.json)

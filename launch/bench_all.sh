@@ -13,7 +13,8 @@
 #   TENSORS_TRAJ=256                                      packed vs padded tensors
 #   OVERLAP_MS=0,100,500                                  environment latency, with and without overlap
 #   SOAK_RUNS=200                                         randomised fault soak (2 ranks)
-#   TRL_VERSION=1.16.0 (empty: skip installing TRL)       peer comparison
+#   TRL_VERSION=1.16.0 (empty: skip installing TRL) TRL_STEPS=12   peer comparison
+#   (engines: run when .venv-vllm exists, which .ci/vllm_stage.sh --build makes)
 #   RESUME=1: skip every benchmark whose JSON is already in benchmarks/results
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -80,8 +81,15 @@ if [ -n "${TRL_VERSION-1.16.0}" ]; then
     # a benchmark-only extra; this version needs no new torch (checked with pip install --dry-run)
     pip install -q "trl==${TRL_VERSION-1.16.0}" >&2 || echo "pip install trl failed" >&2
 fi
-python benchmarks/bench_trl.py --json --steps "${TRAIN_STEPS:-4}" --batch-size "${TRAIN_BATCH:-16}" \
-    | last > "$OUT/trl.json"
+todo trl && python benchmarks/bench_trl.py --json --steps "${TRL_STEPS:-12}" --batch-size "${TRAIN_BATCH:-16}" \
+    --repeats "${REPEATS:-3}" | last > "$OUT/trl.json"
+
+step engines
+# vLLM lives in its own environment (.ci/vllm_stage.sh --build makes it); skipped without it
+if [ -x .venv-vllm/bin/python ] && todo engines; then
+    .venv-vllm/bin/python benchmarks/bench_engines.py --json --repeats "${REPEATS:-3}" \
+        --plot "$OUT/engines.png" | last > "$OUT/engines.json"
+fi
 
 step "plots and table"
 python launch/bench_report.py "$OUT" benchmarks/RESULTS.md
