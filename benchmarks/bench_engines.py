@@ -206,7 +206,9 @@ def main(argv: list[str] | None = None) -> dict:
     }
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
-    out: dict = {k: getattr(args, k) for k in ("conversations", "turns", "max_new_tokens", "threads", "repeats")}
+    out: dict = {
+        k: getattr(args, k) for k in ("conversations", "turns", "max_new_tokens", "threads", "repeats")
+    }
     runs: dict[str, list[dict]] = {name: [] for name in args.models.split(",")}
     for rep in range(args.repeats):
         for name in runs:
@@ -214,7 +216,9 @@ def main(argv: list[str] | None = None) -> dict:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
             lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
             if proc.returncode or not lines:
-                raise RuntimeError(f"bench_engines: model {name!r} failed (repetition {rep}):\n{proc.stderr[-3000:]}")
+                raise RuntimeError(
+                    f"bench_engines: model {name!r} failed (repetition {rep}):\n{proc.stderr[-3000:]}"
+                )
             runs[name].append(json.loads(lines[-1]))
             if not args.json:
                 print(f"repetition {rep} {name}: {lines[-1]}", flush=True)

@@ -48,6 +48,8 @@ def instrument(trainer) -> tuple[list[dict], list[float]]:
         t0 = time.perf_counter()
         out = step()
         walls.append(time.perf_counter() - t0)
+        # the work the step did: its replies' mean length in tokens (a model may stop early)
+        current["completion_tokens"] = out[0].get("completions/mean_length", 0.0)
         steps.append(dict(current))
         current.clear()
         return out
@@ -72,6 +74,7 @@ def summarize(steps: list[dict], walls: list[float]) -> dict:
     out = {f"{p}_s": median([s.get(p, 0.0) for s in measured]) for p in phases}
     out["step_s"] = median(walls[1:] or walls)
     out["other_s"] = round(out["step_s"] - sum(out[f"{p}_s"] for p in phases), 4)
+    out["completion_tokens_mean"] = median([s.get("completion_tokens", 0.0) for s in measured])
     return out
 
 
@@ -79,12 +82,13 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads a rank (ranks share the cores)")
     args, rest = ap.parse_known_args(argv)
     out_dir = tempfile.mkdtemp(prefix="bench_train_step.")
     flags = [*rest, "--steps", str(args.steps), "--save-every", "1000000", "--eval-every", "0"]
     opts = parse([*flags, "--output-dir", out_dir], "bench")
     opts, source = check(opts)  # with the task's defaults applied, as launch/train_grpo.py does
-    torch.set_num_threads(1)  # ranks share the cores, as in launch/train_grpo.py
+    torch.set_num_threads(args.threads)  # 1 by default: ranks share the cores, as in launch/train_grpo.py
     distributed.init_distributed(timeout_s=opts.trainer.collective_timeout_s)
     try:
         trainer = build_trainer(opts, source)

@@ -26,6 +26,7 @@ from interlens_mcore.cli import (
     defaults,
     quiet,  # noqa: F401  (before megatron / DeepSpeed are imported)
     refusal,
+    sizes,
 )
 from interlens_mcore.cli.args import UsageError, parse
 from interlens_mcore.cli.build import build_trainer, check
@@ -87,6 +88,9 @@ def _main(argv: list[str] | None) -> int:
                 return _evaluate_only(trainer, args.trainer.output_dir)
             if distributed.rank() == 0 and not args.launch.eval_only:
                 print(f"config: {trainer.run_info}", file=sys.stderr)
+                slow = sizes.slow_bf16(args)
+                if slow:
+                    print(f"warning: {slow}", file=sys.stderr)
                 if start:
                     print(f"resuming at step {start} of {args.trainer.steps}", file=sys.stderr)
             trainer.train()

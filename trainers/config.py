@@ -295,9 +295,9 @@ class BackendConfig:
     pp: int = field(
         default=1,
         metadata={
-            "help": "pipeline-parallel size (megatron backend, CPU path: megatron's 1F1B schedule; not yet "
-            "with --engine vllm, --lora-rank, --export-hf or --entropy-coeff: docs/parallelism.md); may "
-            "change on --resume"
+            "help": "pipeline-parallel size (megatron backend, CPU path: megatron's 1F1B schedule; with "
+            "--engine vllm each stage's TP group runs a vLLM of the whole model: docs/parallelism.md); "
+            "may change on --resume"
         },
     )
     cp: int = field(default=1, metadata={"help": "context-parallel size (only 1 yet: docs/parallelism.md)"})
@@ -405,10 +405,11 @@ class BackendConfig:
                 f"BackendConfig.pp {self.pp}: the {self.backend} backend has no pipeline parallelism "
                 "(use --pp 1, or --backend megatron)"
             )
-        if self.engine != "native":
+        if self.engine != "native" and self.lora_rank and self.vllm_lora == "adapter":
             raise ValueError(
-                f"BackendConfig.pp {self.pp} with BackendConfig.engine {self.engine}: not built yet "
-                "(per-stage weight gathering into vLLM); use --pp 1"
+                f"BackendConfig.pp {self.pp} with BackendConfig.vllm_lora 'adapter': vLLM's LoRA path "
+                "needs the whole adapters on every rank, which are not gathered across stages yet; "
+                "use --vllm-lora merged (the megatron default)"
             )
         if self.lora_rank and self.lora_dropout > 0 and self.recompute:
             # megatron's schedule keeps several micro-batches in flight: a layer recomputed in a

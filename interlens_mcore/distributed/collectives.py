@@ -185,6 +185,17 @@ def all_gather_tensor(tensor: torch.Tensor, group: ProcessGroup | None = None) -
     return out
 
 
+def broadcast_tensor(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None) -> torch.Tensor:
+    """In place: group rank `src`'s `tensor` on every rank (same shape and dtype); no autograd."""
+    if world_size(group) == 1:
+        return tensor
+    with _collective("broadcast_tensor", group):
+        dist.broadcast(
+            tensor, src=dist.get_global_rank(group, src) if group is not None else src, group=group
+        )
+    return tensor
+
+
 def barrier(group: ProcessGroup | None = None) -> None:
     if world_size(group) > 1:
         with _collective("barrier", group):

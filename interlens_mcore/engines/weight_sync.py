@@ -7,7 +7,9 @@ Each source below yields `(name, tensor)` pairs in that format, straight from me
   bare module, e.g. `ddp.module`, so names carry no wrapper prefix).
 - `megatron_hf_tensors(model, layout)`: a megatron-core GPTModel; TP shards are gathered over
   the TP group and fused QKV / gate-up are split back (`megatron.convert`), so it is collective:
-  every rank of the TP group consumes the whole stream.
+  every rank of the TP group consumes the whole stream. Under pipeline parallelism each stage
+  holds its own layers: every stage's tensors are then broadcast over the pipeline group in
+  turn, so every rank of the model-parallel group (TP x PP) consumes the whole model's stream.
 - `zero3_hf_tensors(model)`: an HF model under DeepSpeed ZeRO-3; each parameter is gathered
   over the data-parallel group in turn (collective, same order on every rank), so at most one
   full parameter is materialised at a time.
@@ -40,14 +42,55 @@ def hf_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def megatron_hf_tensors(model: torch.nn.Module, layout) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF tensors of a megatron-core GPTModel (the bare model, this rank's TP shard); collective.
+    """HF tensors of a megatron-core GPTModel (the bare model, this rank's TP shard and PP
+    stage); collective over the model-parallel group (TP x PP).
 
-    layout: the model's `megatron.ModelLayout`. Every rank of the TP group gets every full
-    tensor (vLLM under the same TP then keeps its own slice).
+    layout: the model's `megatron.ModelLayout`. Every rank of the group gets every full tensor of
+    the whole model (vLLM under the trainer's TP then keeps its own slice): a stage's own layers
+    gathered over its TP group, the other stages' received from them stage by stage.
     """
     from ..megatron.convert import gather_hf_state_dict
+    from ..megatron.stages import pipeline_size
 
-    yield from gather_hf_state_dict(model, layout).items()
+    own = gather_hf_state_dict(model, layout)
+    if pipeline_size() == 1:
+        yield from own.items()
+        return
+    yield from _across_stages(own, layout.tied_embeddings)
+
+
+def _across_stages(own: dict[str, torch.Tensor], tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every stage's `own` tensors on every rank of the pipeline group, stage by stage.
+
+    The names, shapes and dtypes go first (one small gather), then each tensor by a broadcast
+    from its stage, yielded as it arrives (a consumer that loads each tensor and drops it holds
+    one other stage's tensor at a time). The last stage's copy of a tied embedding is not sent (the first
+    stage's is the one both hold)."""
+    from megatron.core import parallel_state as ps
+
+    from .. import distributed
+
+    group = ps.get_pipeline_model_parallel_group()
+    me = ps.get_pipeline_model_parallel_rank()
+    if tied and me > 0:
+        own = {k: v for k, v in own.items() if k != "model.embed_tokens.weight"}
+    meta = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in own.items()]
+    device = torch.device("cuda", torch.cuda.current_device()) if _nccl(group) else torch.device("cpu")
+    for stage, names in enumerate(distributed.all_gather_object(meta, group)):
+        for name, shape, dtype in names:
+            buf = (
+                own[name].to(device)
+                if stage == me
+                else torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+            )
+            distributed.broadcast_tensor(buf, stage, group)
+            yield name, buf.cpu()
+
+
+def _nccl(group) -> bool:
+    import torch.distributed as dist
+
+    return dist.get_backend(group) == "nccl"
 
 
 def zero3_hf_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -247,10 +247,15 @@ def _export(rank, world_size, tiny_path, tp, pp, out):
     model = build_model(layout, init_weights=False)
     load_weights(model, layout, tiny_path)
     export_hf(model, layout, tiny_path, out)
+    from interlens_mcore.engines.weight_sync import megatron_hf_tensors
+
+    # what a colocated vLLM loads at each sync: the whole model on every rank, in stream order
+    return [(name, t.numpy().copy()) for name, t in megatron_hf_tensors(model, layout)]
 
 
 @pytest.mark.parametrize(("tp", "pp"), [(1, 2), (2, 2)])
 def test_export_under_pp_writes_a_stage_a_file_with_the_hf_tensors(tiny_path, tmp_path, tp, pp):
+    """And the weight stream a colocated vLLM loads gives every rank every HF tensor once."""
     import json
 
     from safetensors.torch import load_file
@@ -259,7 +264,7 @@ def test_export_under_pp_writes_a_stage_a_file_with_the_hf_tensors(tiny_path, tm
     out = tmp_path / "hf"
     out.mkdir()
     (out / "model.safetensors").write_bytes(b"an earlier export")  # replaced, not left to shadow the index
-    run_ranks(_export, tp * pp, str(tiny_path), tp, pp, str(out))
+    streams = run_ranks(_export, tp * pp, str(tiny_path), tp, pp, str(out))
     files = sorted(p.name for p in out.glob("*.safetensors"))
     assert files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -274,3 +279,7 @@ def test_export_under_pp_writes_a_stage_a_file_with_the_hf_tensors(tiny_path, tm
     assert (out / "config.json").is_file()
     model = AutoModelForCausalLM.from_pretrained(out)
     assert all(torch.equal(model.state_dict()[n], t) for n, t in got.items())
+    for rank in range(tp * pp):
+        names = [name for name, _ in streams[rank]]
+        assert sorted(names) == sorted(source), rank  # each name once: the tied embedding too
+        assert all(torch.equal(torch.from_numpy(t), source[name]) for name, t in streams[rank]), rank

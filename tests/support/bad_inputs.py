@@ -227,6 +227,14 @@ SECTIONS: list[tuple[str, list[Refusal]]] = [
                 env=(("WORLD_SIZE", "2"),),
             ),
             Refusal(
+                "pipeline parallelism with adapters through vLLM's LoRA path",
+                ("--pp", "2", "--engine", "vllm", "--lora-rank", "8", "--vllm-lora", "adapter"),
+                "--pp 2 with --vllm-lora 'adapter': vLLM's LoRA path needs the whole adapters on every "
+                "rank, which are not gathered across stages yet; use --vllm-lora merged (the megatron "
+                "default)",
+                env=(("WORLD_SIZE", "2"),),
+            ),
+            Refusal(
                 "a hub id as `--model` (nothing is downloaded)",
                 ("--model", "Qwen/Qwen2.5-0.5B-Instruct"),
                 "--model Qwen/Qwen2.5-0.5B-Instruct: no such folder; models are read from a local folder "

@@ -21,6 +21,8 @@ LORA = ["--lora-rank", "8", "--lora-dropout", "0"]  # no dropout: the trainer's 
 BACKENDS = {
     "megatron": ["--backend", "megatron"],
     "megatron-tp2": ["--backend", "megatron", "--tp", "2"],  # one vLLM of TP 2 over both ranks
+    # a vLLM of the whole model on each stage's rank: both stages' layers reach it at each sync
+    "megatron-pp2": ["--backend", "megatron", "--pp", "2"],
     # LoRA adapters reach vLLM merged into their weights after each step
     "megatron-tp2-lora": ["--backend", "megatron", "--tp", "2", "--lora-rank", "8", "--lora-dropout", "0"],
     # the adapters alone, through vLLM's LoRA path (enable_lora)

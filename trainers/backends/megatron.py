@@ -77,7 +77,7 @@ def build(
         temperature=temperature,
         reference=reference,
         tokenizer=tokenizer,
-        vllm=vllm_config(cfg, groups.tp_size),  # vLLM's TP group is the rollout group: the trainer's TP
+        vllm=vllm_config(cfg, groups.tp_size),  # vLLM's TP group is the trainer's TP group
         compute_dtype=torch.bfloat16 if cfg.bf16 else None,
         lora=lora_options(cfg),
         recompute=cfg.recompute,
@@ -92,8 +92,11 @@ def _check_pipelined(*, path: str, vllm: VLLMConfig | None) -> None:
             "--pp > 1 trains through megatron's schedule on the CPU path only so far; on GPU its DDP "
             "and distributed optimizer over stages are not built yet (use --pp 1)"
         )
-    if vllm is not None:
-        raise ValueError("--pp > 1 with --engine vllm: per-stage weight gathering is not built yet (--pp 1)")
+    if vllm is not None and vllm.max_lora_rank > 0:
+        raise ValueError(
+            "--pp > 1 with --vllm-lora adapter: the adapters are not gathered across stages yet "
+            "(use --vllm-lora merged)"
+        )
 
 
 def lora_options(cfg: BackendConfig) -> LoRAOptions | None:
@@ -115,8 +118,9 @@ class MegatronBackend:
 
     `reference=True` keeps a frozen copy of the initial weights for the KL term; with `lora` the
     reference is the same model with its adapters off (no copy). With `vllm`
-    (its `tensor_parallel_size` the TP size) a colocated vLLM over the rollout group generates
-    instead of `MegatronEngine`, and `sync_engine_weights` gathers the TP shards into it.
+    (its `tensor_parallel_size` the TP size) a colocated vLLM over each TP group generates
+    instead of `MegatronEngine`, and `sync_engine_weights` gathers the TP shards (and under PP
+    every stage's layers) into it.
     """
 
     layout: Layout = "packed"
@@ -200,7 +204,10 @@ class MegatronBackend:
             self.colocated = ColocatedVLLM(
                 self.model_path,
                 vllm,
-                group=groups.rollout,
+                # vLLM's TP group is the trainer's (consecutive ranks, as vLLM's launcher groups
+                # them); under PP each stage's TP group runs a vLLM of the whole model on its own
+                # rows, the weights of every stage reaching it at each sync (megatron_hf_tensors)
+                group=groups.tp,
                 tensors=self._base_tensors if adapter else self._hf_tensors,
                 adapter=adapter,
             )
