@@ -64,8 +64,8 @@ def _across_stages(own: dict[str, torch.Tensor], tied: bool) -> Iterator[tuple[s
 
     The names, shapes and dtypes go first (one small gather), then each tensor by a broadcast
     from its stage, yielded as it arrives (a consumer that loads each tensor and drops it holds
-    one other stage's tensor at a time). The last stage's copy of a tied embedding is not sent (the first
-    stage's is the one both hold)."""
+    one other stage's tensor at a time). The last stage's copy of a tied embedding is not sent
+    (the first stage's is the one both hold)."""
     from megatron.core import parallel_state as ps
 
     from .. import distributed
