@@ -29,7 +29,7 @@ import tempfile
 import time
 
 import torch
-from common import ROOT, emit
+from common import ROOT, emit, median
 
 from interlens_mcore.assets import ensure_smollm2, ensure_tiny_model
 from interlens_mcore.tasks.guess import guess_tasks
@@ -163,8 +163,8 @@ def trl_run(args) -> dict:
     measured = split[1:] or split
     return {
         "version": version,
-        "step_s": round(statistics.median(walls[1:] or walls), 4),
-        "phases_s": {k: round(statistics.median(p[k] for p in measured), 4) for k in measured[0]},
+        "step_s": median(walls[1:] or walls),
+        "phases_s": {k: median([p[k] for p in measured]) for k in measured[0]},
         "completion_tokens_mean": round(statistics.median(lengths[1:] or lengths), 2) if lengths else None,
     }
 
@@ -203,26 +203,22 @@ def main(argv: list[str] | None = None) -> dict:
             except Exception as exc:  # the benchmark reports why TRL could not run instead of failing
                 trl_error = f"{type(exc).__name__}: {exc}"[:500]
     phases = ("rollout_s", "batch_s", "forward_backward_s", "optimizer_s", "other_s")
-    out["ours_step_s"] = _median([r["step_s"] for r in ours_runs])
-    out["ours_phases_s"] = {k.removesuffix("_s"): _median([r[k] for r in ours_runs]) for k in phases}
-    out["ours_completion_tokens"] = _median([r["completion_tokens_mean"] for r in ours_runs])
+    out["ours_step_s"] = median([r["step_s"] for r in ours_runs])
+    out["ours_phases_s"] = {k.removesuffix("_s"): median([r[k] for r in ours_runs]) for k in phases}
+    out["ours_completion_tokens"] = median([r["completion_tokens_mean"] for r in ours_runs])
     if trl_error:
         out["trl_error"] = trl_error
     if trl_runs:
         out["trl_version"] = trl_runs[0]["version"]
-        out["trl_step_s"] = _median([r["step_s"] for r in trl_runs])
+        out["trl_step_s"] = median([r["step_s"] for r in trl_runs])
         out["trl_over_ours"] = round(out["trl_step_s"] / out["ours_step_s"], 2)
         out["trl_over_ours_each"] = [round(t["step_s"] / o["step_s"], 2) for o, t in zip(ours_runs, trl_runs)]
         out["trl_phases_s"] = {
-            k: _median([r["phases_s"][k] for r in trl_runs]) for k in trl_runs[0]["phases_s"]
+            k: median([r["phases_s"][k] for r in trl_runs]) for k in trl_runs[0]["phases_s"]
         }
         lengths = [r["completion_tokens_mean"] for r in trl_runs if r["completion_tokens_mean"] is not None]
-        out["trl_completion_tokens"] = _median(lengths) if lengths else None
+        out["trl_completion_tokens"] = median(lengths) if lengths else None
     return emit(out, args.json)
-
-
-def _median(xs: list[float]) -> float:
-    return round(statistics.median(xs), 4)
 
 
 if __name__ == "__main__":

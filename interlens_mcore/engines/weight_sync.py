@@ -49,31 +49,28 @@ def megatron_hf_tensors(model: torch.nn.Module, layout) -> Iterator[tuple[str, t
     the whole model (vLLM under the trainer's TP then keeps its own slice): a stage's own layers
     gathered over its TP group, the other stages' received from them stage by stage.
     """
-    from ..megatron.convert import gather_hf_state_dict
+    from ..megatron.convert import stage_hf_state_dict
     from ..megatron.stages import pipeline_size
 
-    own = gather_hf_state_dict(model, layout)
+    own = stage_hf_state_dict(model, layout)  # at PP > 1 without a later stage's tied copy
     if pipeline_size() == 1:
         yield from own.items()
         return
-    yield from _across_stages(own, layout.tied_embeddings)
+    yield from _across_stages(own)
 
 
-def _across_stages(own: dict[str, torch.Tensor], tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def _across_stages(own: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
     """Every stage's `own` tensors on every rank of the pipeline group, stage by stage.
 
     The names, shapes and dtypes go first (one small gather), then each tensor by a broadcast
     from its stage, yielded as it arrives (a consumer that loads each tensor and drops it holds
-    one other stage's tensor at a time). The last stage's copy of a tied embedding is not sent
-    (the first stage's is the one both hold)."""
+    one other stage's tensor at a time)."""
     from megatron.core import parallel_state as ps
 
     from .. import distributed
 
     group = ps.get_pipeline_model_parallel_group()
     me = ps.get_pipeline_model_parallel_rank()
-    if tied and me > 0:
-        own = {k: v for k, v in own.items() if k != "model.embed_tokens.weight"}
     meta = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in own.items()]
     device = torch.device("cuda", torch.cuda.current_device()) if _nccl(group) else torch.device("cpu")
     for stage, names in enumerate(distributed.all_gather_object(meta, group)):

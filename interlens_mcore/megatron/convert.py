@@ -252,6 +252,19 @@ def gather_hf_state_dict(model: torch.nn.Module, layout: ModelLayout) -> dict[st
     return _gather([r for r in rules if not r.adapter], layout, lambda n: merged.get(n, params[n]))
 
 
+def stage_hf_state_dict(model: torch.nn.Module, layout: ModelLayout) -> dict[str, torch.Tensor]:
+    """This pipeline stage's own HF tensors (`gather_hf_state_dict`), the embedding held by the
+    first stage alone: a later stage's tied copy of it is left out, so the stages' tensors are
+    disjoint and together the whole model. At PP=1 the whole model."""
+    state = gather_hf_state_dict(model, layout)
+    if layout.tied_embeddings and pipeline_size() > 1:
+        from megatron.core import parallel_state as ps
+
+        if ps.get_pipeline_model_parallel_rank() > 0:  # the last stage's copy of the embedding
+            state.pop("model.embed_tokens.weight", None)
+    return state
+
+
 @torch.no_grad()
 def gather_adapter_state_dict(model: torch.nn.Module, layout: ModelLayout) -> dict[str, torch.Tensor]:
     """The LoRA adapters as full tensors under peft's names (`lora_A` / `lora_B` of each HF
@@ -292,7 +305,7 @@ def export_hf(
     Ends with a barrier over the world.
     """
     src, out = Path(src_folder), Path(out_dir)
-    state = gather_hf_state_dict(model, layout)
+    state = stage_hf_state_dict(model, layout)
     if dtype is not None:  # megatron's norms stay float32 in a bfloat16 model
         state = {k: v.to(dtype) for k, v in state.items()}
     from safetensors.torch import save_file
@@ -313,8 +326,6 @@ def export_hf(
     from megatron.core import parallel_state as ps
 
     stage_rank = ps.get_pipeline_model_parallel_rank()
-    if layout.tied_embeddings and stage_rank > 0:  # the last stage's copy of the embedding
-        state.pop("model.embed_tokens.weight", None)
     writes = ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
     name = f"model-{stage_rank + 1:05d}-of-{stages:05d}.safetensors"
     distributed.barrier()  # the folder exists
