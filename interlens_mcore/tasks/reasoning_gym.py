@@ -19,7 +19,10 @@ again. Reward: the last attempt's score x `discount ** (attempts - 1)`.
 
 `conv.infos`: `success` (1.0 when an answer scored 1), `score`, `attempts`, `answer_found`
 (attempts whose reply held an answer), `verifier_errors`, and `verifier_error` (the last
-cause, as text).
+cause, as text). With `max_attempts > 1` also two rates that evaluation reports with their
+intervals (`eval/rate/...`, see trainers/report/record.py): `rate/first_attempt` (the first
+reply solved it) and, only where the first failed and a second attempt was made,
+`rate/second_attempt_after_miss` (the second reply solved it).
 """
 
 from __future__ import annotations
@@ -144,6 +147,9 @@ class ReasoningJudge(Environment):
             info["verifier_errors"] += 1
             info["verifier_error"] = error
         info["score"], info["success"] = score, float(score >= 1.0)
+        if self.task.options.max_attempts > 1 and info["attempts"] <= 2:
+            key = "rate/first_attempt" if info["attempts"] == 1 else "rate/second_attempt_after_miss"
+            info[key] = float(score >= 1.0)
         if score >= 1.0:
             conv.request_stop("solved")
             return None

@@ -27,7 +27,10 @@ Where tools run (`isolation`):
 Counts kept in `conv.infos` (summed over the conversation, for the trainer's metrics):
 `tool_calls` (calls attempted, well-formed or not), `tool_valid_calls` (well-formed calls of
 a known tool with acceptable arguments), `tool_errors` (calls that produced an error line),
-`tool_turns` (replies that called tools).
+`tool_turns` (replies that called tools). At the reply that is not a tool call (the answer),
+two rates that evaluation reports with their intervals (`eval/rate/...`): `rate/valid_call`
+(the conversation made at least one well-formed call) and, where a call returned a result,
+`rate/result_in_answer` (the answer holds the text of one of the results it was given).
 """
 
 from __future__ import annotations
@@ -125,11 +128,26 @@ class ToolEnvironment(Environment):
             parsed = self.parser.parse(last.content)
             if parsed.attempted:
                 return await self._run(conv, parsed.calls, parsed.errors)
+        if last is not None and last.speaker == self.policy:
+            self._rate_answer(conv, last.content)
         if self.inner is None:
             if last is not None and last.speaker == self.policy:
                 conv.request_stop("answered")
             return None
         return await maybe_await(self.inner.respond(conv))
+
+    def _rate_answer(self, conv: Conversation, answer: str) -> None:
+        """The rates of the reply that answers (see the module docstring)."""
+        conv.infos["rate/valid_call"] = float(conv.infos["tool_valid_calls"] > 0)
+        results = [
+            line.strip()
+            for m in conv.messages
+            if m.role == "tool" and m.speaker == self.name
+            for line in m.content.splitlines()
+            if line.strip() and not line.startswith(("error: ", "(tool call limit"))
+        ]
+        if results:
+            conv.infos["rate/result_in_answer"] = float(any(r in answer for r in results))
 
     async def _run(self, conv: Conversation, calls: Sequence[ToolCall], errors: Sequence[str]) -> Message:
         room = self.max_calls - conv.infos["tool_calls"]

@@ -15,7 +15,7 @@ import torch
 
 from interlens_mcore import distributed
 from interlens_mcore.rollout.rollouter import Rollout
-from interlens_mcore.types import Status
+from interlens_mcore.types import Status, Trajectory
 
 from .samples import facts_of, sample_figures
 
@@ -100,13 +100,17 @@ def train_figures(m: dict[str, float], *, skipped_steps: int) -> dict[str, float
 
 
 def evaluation_figures(rollout: Rollout) -> dict[str, float]:
-    """`eval/reward`, `eval/success_rate`, and per seat `eval/reward/<seat>`, `eval/win_rate/<seat>`.
+    """`eval/reward`, `eval/success_rate`, and per seat `eval/reward/<seat>`, `eval/win_rate/<seat>`;
+    each rate the environments reported (`sample_rates`) as `eval/rate/<name>`. Every rate comes
+    with its sample count and 95 % Wilson interval (`..._n`, `..._low`, `..._high`).
 
     Collective over the world: every rank evaluates its own rows.
     """
     mine: dict[str, list[float]] = {}
     for t, reward in zip(rollout.trajectories, rollout.scored_rewards(), strict=True):
         f = facts_of(t, reward)
+        for key, value in sample_rates(t).items():
+            mine.setdefault(key, []).append(value)
         mine.setdefault("reward", []).append(reward)
         mine.setdefault(f"reward/{f.seat}", []).append(reward)
         if f.success is not None:
@@ -123,7 +127,27 @@ def evaluation_figures(rollout: Rollout) -> dict[str, float]:
         n = len(merged["success_rate"])
         low, high = wilson_interval(figures["eval/success_rate"], n)
         figures.update({"eval/success_n": n, "eval/success_low": low, "eval/success_high": high})
+    for key in (k for k in merged if k.startswith(RATE_PREFIX)):
+        n = len(merged[key])
+        low, high = wilson_interval(figures[f"eval/{key}"], n)
+        figures.update({f"eval/{key}_n": n, f"eval/{key}_low": low, f"eval/{key}_high": high})
     return figures
+
+
+RATE_PREFIX = "rate/"
+
+
+def sample_rates(t: Trajectory) -> dict[str, float]:
+    """The rates an environment reported for trajectory `t`: its `conv.infos` keys that start
+    with `rate/`, each a value in [0, 1] for this sample (a key it did not set leaves the sample
+    out of that rate's count: a rate conditioned on something, as a retry's success after a miss).
+    A value that is not a number in [0, 1] is left out."""
+    out = {}
+    for key, value in t.infos.extra.items():
+        if key.startswith(RATE_PREFIX) and isinstance(value, int | float) and not isinstance(value, bool):
+            if 0.0 <= float(value) <= 1.0:
+                out[key] = float(value)
+    return out
 
 
 def wilson_interval(rate: float, n: int, z: float = 1.959964) -> tuple[float, float]:

@@ -132,6 +132,25 @@ def test_multi_turn_feedback_and_discount(tiny):
     assert row.max_turns == 6
 
 
+def test_attempt_rates_say_which_attempt_solved_it(tiny):
+    src = rg.source("basic_arithmetic", max_attempts=3)
+    right = src.rows(1, seed=0)[0].entry["answer"]
+    cases = {  # replies -> (first attempt, second after a miss): None where the rate is not set
+        (f"<answer>{right}</answer>",): (1.0, None),
+        ("<answer>999999</answer>", f"<answer>{right}</answer>"): (0.0, 1.0),
+        ("<answer>999999</answer>", "<answer>1</answer>", f"<answer>{right}</answer>"): (0.0, 0.0),
+    }
+    for replies, (first, second) in cases.items():
+        _, conv = _judged(tiny, src, list(replies))
+        extra = conv.trajectories()[0].infos.extra
+        assert extra["rate/first_attempt"] == first, replies
+        assert extra.get("rate/second_attempt_after_miss") == second, replies
+        assert conv.infos["success"] == 1.0
+    # one attempt: no rates (success_rate says it all)
+    _, conv = _judged(tiny, rg.source("basic_arithmetic"), [f"<answer>{right}</answer>"])
+    assert not [k for k in conv.infos if k.startswith("rate/")]
+
+
 def test_a_verifier_that_raises_scores_zero_and_is_counted(tiny):
     src = rg.source("prime_factorization", max_attempts=2, feedback="detailed")
     _, conv = _judged(tiny, src, ["<answer>abc</answer>", "<answer>x</answer>"])

@@ -166,6 +166,20 @@ def test_tool_environment_results_errors_and_counts():
     assert conv.infos["tool_valid_calls"] == 2 and conv.infos["tool_errors"] == 4
 
 
+def test_answer_rates_valid_call_and_result_used():
+    # a call, then an answer that holds its result
+    conv = _run([call("add", a=2, b=3), "it is 5"], [add])
+    assert (conv.infos["rate/valid_call"], conv.infos["rate/result_in_answer"]) == (1.0, 1.0)
+    # the result came back, the answer does not use it
+    conv = _run([call("add", a=2, b=3), "it is 6"], [add])
+    assert (conv.infos["rate/valid_call"], conv.infos["rate/result_in_answer"]) == (1.0, 0.0)
+    # only malformed calls: no result to use, so no result rate; nor without any call
+    conv = _run(["<tool_call>{bad</tool_call>", "error: it is"], [add])
+    assert conv.infos["rate/valid_call"] == 0.0 and "rate/result_in_answer" not in conv.infos
+    conv = _run(["5"], [add])
+    assert conv.infos["rate/valid_call"] == 0.0 and "rate/result_in_answer" not in conv.infos
+
+
 def test_tool_timeout_and_async_tools():
     conv = _run([call("slow", seconds=0.01), call("slow", seconds=30), "done"], [slow], tool_timeout_s=0.3)
     assert conv.messages[1].content == "awake"

@@ -162,3 +162,24 @@ def test_reward_parts_are_averaged_over_the_samples_they_apply_to_and_logged_met
     )
     assert out["reward/env"] == 0.5 and out["reward/accuracy_reward"] == 0.5
     assert out["reward_metric/judge_calls"] == 3.0
+
+
+def test_evaluation_reports_each_rate_with_its_count_and_interval():
+    from trainers.report.record import evaluation_figures, wilson_interval
+
+    trajectories = [
+        _traj(success=1.0, **{"rate/first_attempt": 1.0}),
+        _traj(success=1.0, **{"rate/first_attempt": 0.0, "rate/second_attempt_after_miss": 1.0}),
+        _traj(success=0.0, **{"rate/first_attempt": 0.0, "rate/second_attempt_after_miss": 0.0}),
+        # not rates: a bool, a number out of [0, 1], text; and a sample that set none
+        _traj(success=0.0, **{"rate/first_attempt": True, "rate/odd": 3.0, "rate/text": "yes"}),
+    ]
+    out = evaluation_figures(Rollout(trajectories=trajectories, rows=[None] * 4))
+    assert out["eval/success_rate"] == 0.5 and out["eval/success_n"] == 4
+    assert out["eval/rate/first_attempt"] == pytest.approx(1 / 3) and out["eval/rate/first_attempt_n"] == 3
+    assert out["eval/rate/second_attempt_after_miss"] == 0.5
+    assert out["eval/rate/second_attempt_after_miss_n"] == 2
+    low, high = wilson_interval(0.5, 2)
+    key = "eval/rate/second_attempt_after_miss"
+    assert (out[f"{key}_low"], out[f"{key}_high"]) == (low, high)
+    assert not [k for k in out if "odd" in k or "text" in k]
