@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from common import ROOT, emit, median
@@ -169,17 +170,7 @@ def run_trl(a, cfg: dict, work: Path) -> dict:
     prompts = [
         {"prompt": [{"role": "user", "content": r.prompt()[0].content}], "row": i} for i, r in enumerate(rows)
     ]
-    rule = rows[0].options.rule
-
-    def verifier(completions, row, **_):
-        out = []
-        for c, i in zip(completions, row, strict=True):
-            text = c[0]["content"] if isinstance(c, list) else c
-            try:
-                out.append(float(rows[i].score(rule.extract(text), rows[i].entry)))
-            except Exception:  # a verifier that chokes scores 0, as our judge does
-                out.append(0.0)
-        return out
+    verifier = verifier_for(rows)
 
     path = ensure_smollm2()
     dtype = torch.float32  # float32 weights, as ours; --bf16 autocasts in both
@@ -261,6 +252,24 @@ def run_trl(a, cfg: dict, work: Path) -> dict:
         "completion_tokens_mean": median(lengths) if lengths else None,
         "reward_first_last_10pct": _ends(rewards),
     }
+
+
+def verifier_for(rows: list) -> Callable[..., list[float]]:
+    """TRL's reward function: each completion scored by its row's verifier, with the task's answer
+    rule (the dataset's `row` column names the row); a verifier that raises scores 0, as our judge."""
+    rule = rows[0].options.rule
+
+    def verifier(completions, row, **_):
+        out = []
+        for c, i in zip(completions, row, strict=True):
+            text = c[0]["content"] if isinstance(c, list) else c
+            try:
+                out.append(float(rows[i].score(rule.extract(text), rows[i].entry)))
+            except Exception:  # a verifier that chokes scores 0, as our judge does
+                out.append(0.0)
+        return out
+
+    return verifier
 
 
 def _ends(values: list[float]) -> list[float] | None:

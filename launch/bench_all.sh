@@ -14,6 +14,8 @@
 #   OVERLAP_MS=0,100,500                                  environment latency, with and without overlap
 #   SOAK_RUNS=200                                         randomised fault soak (2 ranks)
 #   TRL_VERSION=1.16.0 (empty: skip installing TRL) TRL_STEPS=12   peer comparison
+#   LEARNING=1 LEARNING_STEPS=30                          learning side by side with TRL (SmolLM2;
+#                                                         about 35 minutes, so off unless asked for)
 #   (engines: run when .venv-vllm exists, which .ci/vllm_stage.sh --build makes)
 #   RESUME=1: skip every benchmark whose JSON is already in benchmarks/results
 set -euo pipefail
@@ -89,6 +91,12 @@ step engines
 if [ -x .venv-vllm/bin/python ] && todo engines; then
     .venv-vllm/bin/python benchmarks/bench_engines.py --json --repeats "${REPEATS:-3}" \
         --plot "$OUT/engines.png" | last > "$OUT/engines.json"
+fi
+
+step learning
+if [ -n "${LEARNING:-}" ] && todo learning; then
+    python benchmarks/bench_learning.py --json --steps "${LEARNING_STEPS:-30}" --plot "$OUT/learning.png" \
+        | last > "$OUT/learning.json"
 fi
 
 step "plots and table"

@@ -164,6 +164,17 @@ def table(res: dict[str, dict]) -> list[str]:
             else f"TRL did not run: {p.get('trl_error')}"
         )
         rows.append(f"| Step vs TRL GRPOTrainer, 1 process, {p['batch_size']} completions | {got} | >= 1 |")
+    if "learning" in res and "trl" in res["learning"]:
+        g = res["learning"]
+        ours, theirs, aims = g["ours"]["curve"][-1], g["trl"]["curve"][-1], g["aims"]
+        ratio = aims["ours_wall_to_trl_final_over_trl_wall"] or "not reached"
+        rows.append(
+            f"| Learning vs TRL, {g['steps']} steps x {g['samples_per_step']} completions | held-out "
+            f"accuracy ours {ours['accuracy']} [{ours['low']}, {ours['high']}] in {ours['wall_s']} s, "
+            f"TRL {theirs['accuracy']} [{theirs['low']}, {theirs['high']}] in {theirs['wall_s']} s; "
+            f"equal samples {'met' if aims['equal_samples_met'] else 'not met'}, wall to TRL's final "
+            f"/ TRL's = {ratio} | within TRL's interval; <= 0.7 |"
+        )
     return rows
 
 
