@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from common import ROOT, emit, median
+from common import ROOT, emit, median, phase_timer
 
 CONFIG = ROOT / "launch" / "configs" / "smollm2_basic_arithmetic.yaml"
 RANKS = 2
@@ -218,7 +218,7 @@ def run_trl(a, cfg: dict, work: Path) -> dict:
         callbacks=[Clock()],
     )
     for method in ("_generate", "_generate_and_score_completions", "_compute_loss"):
-        setattr(trainer, method, _timed(getattr(trainer, method), method, phases))
+        setattr(trainer, method, phase_timer(getattr(trainer, method), method, phases))
     trainer.train()
     lengths = [
         h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h
@@ -277,18 +277,6 @@ def _ends(values: list[float]) -> list[float] | None:
         return None
     k = max(1, len(values) // 10)
     return [round(sum(values[:k]) / k, 3), round(sum(values[-k:]) / k, 3)]
-
-
-def _timed(fn, name: str, phases: list[dict[str, float]]):
-    def wrapped(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            if phases:
-                phases[-1][name] = phases[-1].get(name, 0.0) + time.perf_counter() - t0
-
-    return wrapped
 
 
 def evaluate(a, model: Path, out_dir: Path) -> dict:

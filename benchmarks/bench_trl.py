@@ -29,7 +29,7 @@ import tempfile
 import time
 
 import torch
-from common import ROOT, emit, median
+from common import ROOT, emit, median, phase_timer
 
 from interlens_mcore.assets import ensure_smollm2, ensure_tiny_model
 from interlens_mcore.tasks.guess import guess_tasks
@@ -102,7 +102,7 @@ def trl_step_seconds(args) -> tuple[list[float], str, list[dict], list[float]]:
     # generation, then scoring with the old / reference log-probs, then the loss's forward; the
     # rest of the step is backward and the optimizer
     for method in ("_generate", "_generate_and_score_completions", "_compute_loss"):
-        setattr(trainer, method, _timed(getattr(trainer, method), method, phases))
+        setattr(trainer, method, phase_timer(getattr(trainer, method), method, phases))
     trainer.train()
     split = []
     for wall, ph in zip(clock.walls, phases, strict=False):
@@ -121,18 +121,6 @@ def trl_step_seconds(args) -> tuple[list[float], str, list[dict], list[float]]:
         h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h
     ]
     return clock.walls, trl.__version__, split, lengths
-
-
-def _timed(fn, name: str, phases: list[dict[str, float]]):
-    def wrapped(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            if phases:
-                phases[-1][name] = phases[-1].get(name, 0.0) + time.perf_counter() - t0
-
-    return wrapped
 
 
 def ours_step(args) -> dict:

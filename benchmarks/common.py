@@ -66,6 +66,21 @@ def timed(fn, *args, **kwargs) -> tuple[float, object]:
     return time.perf_counter() - t0, out
 
 
+def phase_timer(fn, name: str, phases: list[dict[str, float]]):
+    """`fn` wrapped to add its seconds to `phases[-1][name]` (the current step's; nothing before
+    the first step): how the TRL comparisons time the trainer's own methods."""
+
+    def wrapped(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if phases:
+                phases[-1][name] = phases[-1].get(name, 0.0) + time.perf_counter() - t0
+
+    return wrapped
+
+
 def median(xs: list[float]) -> float:
     return round(statistics.median(xs), 4)
 
