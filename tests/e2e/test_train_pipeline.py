@@ -46,7 +46,12 @@ def _same_steps(got: list[dict], want: list[dict], steps: list[int]) -> None:
         w = by_step[r["step"]]
         assert r["tokens"] == w["tokens"] and r["reward_mean"] == w["reward_mean"], (r, w)
         assert r["loss"] == pytest.approx(w["loss"], rel=1e-5, abs=1e-7), r["step"]
-        assert r["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-5), r["step"]
+        # from step 1 on the weights carry Adam's amplified float error (see the export check
+        # below), and the gradient norm moves with it: 9.4e-5 relative at step 2 on an Intel CPU
+        # with AVX-512 and AMX, 1e-5 before any update
+        assert r["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-5 if r["step"] == 0 else 5e-4), r[
+            "step"
+        ]
         # the policy's entropy comes from the last stage's logits
         assert r["entropy"] == pytest.approx(w["entropy"], rel=1e-5), r["step"]
 
