@@ -255,19 +255,13 @@ def run_trl(a, cfg: dict, work: Path) -> dict:
 
 
 def verifier_for(rows: list) -> Callable[..., list[float]]:
-    """TRL's reward function: each completion scored by its row's verifier, with the task's answer
-    rule (the dataset's `row` column names the row); a verifier that raises scores 0, as our judge."""
-    rule = rows[0].options.rule
+    """TRL's reward function: each completion scored as our judge scores a reply
+    (`ReasoningTask.judge`: the answer rule, then the verifier); the dataset's `row` column names
+    the row."""
 
     def verifier(completions, row, **_):
-        out = []
-        for c, i in zip(completions, row, strict=True):
-            text = c[0]["content"] if isinstance(c, list) else c
-            try:
-                out.append(float(rows[i].score(rule.extract(text), rows[i].entry)))
-            except Exception:  # a verifier that chokes scores 0, as our judge does
-                out.append(0.0)
-        return out
+        texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+        return [rows[i].judge(text)[1] for text, i in zip(texts, row, strict=True)]
 
     return verifier
 

@@ -118,6 +118,19 @@ class ReasoningTask:
         """What reward functions read of the row: the entry's question, answer and metadata."""
         return self.entry
 
+    def judge(self, reply: str) -> tuple[str | None, float, str | None]:
+        """The answer read from `reply` by the answer rule, its verifier score in [0, 1], and why the
+        verifier failed (None when it did not): a verifier that raises or returns something other
+        than a finite number scores 0."""
+        answer = self.options.rule.extract(reply)
+        try:
+            score = self.score(answer, self.entry)
+        except Exception as exc:  # a verifier that chokes on a malformed answer scores it 0
+            return answer, 0.0, f"{type(exc).__name__}: {exc}"
+        if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
+            return answer, 0.0, f"verifier returned {score!r}, expected a finite number"
+        return answer, float(score), None
+
     def prompt(self) -> list[Message]:
         text = f"{self.entry['question']}\n{self.options.rule.instruction}"
         return [Message(speaker="user", content=text, role="user")]
@@ -139,10 +152,9 @@ class ReasoningJudge(Environment):
         for key in ("attempts", "answer_found", "verifier_errors"):
             info.setdefault(key, 0)
         replies = [m.content for m in conv.messages if m.speaker == self.policy]
-        answer = self.task.options.rule.extract(replies[-1]) if replies else None
+        answer, score, error = self.task.judge(replies[-1] if replies else "")
         info["attempts"] += 1
         info["answer_found"] += int(answer is not None)
-        score, error = self._score(answer)
         if error is not None:
             info["verifier_errors"] += 1
             info["verifier_error"] = error
@@ -157,15 +169,6 @@ class ReasoningJudge(Environment):
             conv.request_stop("out of attempts")
             return None
         return self._feedback(answer, score, error)
-
-    def _score(self, answer: str | None) -> tuple[float, str | None]:
-        try:
-            score = self.task.score(answer, self.task.entry)
-        except Exception as exc:  # a verifier that chokes on a malformed answer scores it 0
-            return 0.0, f"{type(exc).__name__}: {exc}"
-        if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
-            return 0.0, f"verifier returned {score!r}, expected a finite number"
-        return float(score), None
 
     def _feedback(self, answer: str | None, score: float, error: str | None) -> str:
         if self.task.options.feedback == "plain":
