@@ -126,10 +126,11 @@ class GRPOTrainer:
         if config.sync_ref_model:
             if not self.loss_config.beta > 0:
                 raise ValueError("TrainerConfig.sync_ref_model moves the KL reference: it needs --beta > 0")
-            if tasks.frozen_seats:
+            frozen = tuple(dict.fromkeys([*tasks.frozen_seats, *tasks.eval_frozen_seats]))
+            if frozen:
                 raise ValueError(
                     "TrainerConfig.sync_ref_model would move the frozen seats' weights too "
-                    f"({', '.join(tasks.frozen_seats)} play the reference model): drop one"
+                    f"({', '.join(frozen)} play the reference model): drop one"
                 )
             if not callable(getattr(backend, "mix_reference", None)):
                 raise ValueError(
@@ -146,6 +147,7 @@ class GRPOTrainer:
             groups=groups,
             config=self.rollout_config,
             frozen_seats=tasks.frozen_seats,
+            eval_frozen_seats=tasks.eval_frozen_seats,
             # a frozen opponent keeps the backend's own engine over the initial weights, with
             # --engine vllm too: its weights never change, so nothing is synced into it
             frozen_engine=backend.frozen_engine,

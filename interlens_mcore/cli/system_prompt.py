@@ -78,6 +78,7 @@ class SystemPromptSource(TaskSource):
         self.source, self.text = source, text
         self.name, self.reward_key, self.stop = source.name, source.reward_key, source.stop
         self.trained_seats, self.frozen_seats = source.trained_seats, source.frozen_seats
+        self.eval_frozen_seats = source.eval_frozen_seats
 
     def _wrap(self, rows: Sequence[object]) -> list[object]:
         if self.source.scheduler() is not None:

@@ -15,9 +15,9 @@ A trainer mixes it in and sets four attributes::
 Rows are `Task`s (`interlens_mcore.tasks`), or message lists when `scheduler()` returns a
 `MultiTurnScheduler`. Rewards come from `compute_rewards(trajectories, rows)`: by default the
 environments' own (`rewards.environment_reward`); override it or set `reward_fns`. Seats named
-in `frozen_seats` are played by `frozen_engine()`. Our own trainer (`trainers.GRPOTrainer`)
-composes the same pieces (`Rollouter`, reward functions, `rollout_estimate`,
-`micro_batches`) without this class.
+in `frozen_seats` (and, for evaluation rows that ask, `eval_frozen_seats`) are played by
+`frozen_engine()`. Our own trainer (`trainers.GRPOTrainer`) composes the same pieces
+(`Rollouter`, reward functions, `rollout_estimate`, `micro_batches`) without this class.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ class RolloutMixin:
     rollout_config: RolloutConfig
     reward_fns: Sequence[RewardFn] = (environment_reward,)
     frozen_seats: tuple[str, ...] = ()
+    eval_frozen_seats: tuple[str, ...] = ()  # seats evaluation rows may give the frozen copy
     layout: Layout = "packed"  # of the training batches: "packed" (THD) or "padded" [B, T]
     pad_to_multiple: int = 1
 
@@ -77,7 +78,8 @@ class RolloutMixin:
             groups=self.groups,
             config=self.rollout_config,
             frozen_seats=self.frozen_seats,
-            frozen_engine=self.frozen_engine if self.frozen_seats else None,
+            eval_frozen_seats=self.eval_frozen_seats,
+            frozen_engine=self.frozen_engine if self.frozen_seats or self.eval_frozen_seats else None,
         )
 
     def policy(self):

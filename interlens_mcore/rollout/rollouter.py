@@ -229,6 +229,29 @@ class RolloutConfig:
         )
 
 
+class Seats:
+    """Who plays the policy seats of a lineup: `seats(name)` is the trainer's choice for the seat
+    (trained, or frozen when the task source says so); `seats.frozen(name)` asks for the frozen
+    copy of the initial weights, for a seat in the phase's frozen seats (`allowed`)."""
+
+    def __init__(
+        self, pick: Callable[[str], Policy], frozen: Callable[[str], Policy], allowed: Sequence[str]
+    ):
+        self._pick, self._frozen, self.allowed = pick, frozen, tuple(allowed)
+
+    def __call__(self, name: str) -> Policy:
+        return self._pick(name)
+
+    def frozen(self, name: str) -> Policy:
+        if name not in self.allowed:
+            raise ValueError(
+                f"seat {name!r} asks for the frozen initial weights, but the task source names "
+                f"{list(self.allowed) or 'no seat'} for them in this phase: declare it in the source's "
+                "frozen_seats (training) or eval_frozen_seats (evaluation), so every rank builds that engine"
+            )
+        return self._frozen(name)
+
+
 @runtime_checkable
 class Task(Protocol):
     """One row of a step: an opening transcript, a lineup, and a turn cap.
@@ -322,7 +345,9 @@ class Rollouter:
     """Runs rows through the drivers on this rank's part of the rollout group.
 
     `frozen_engine` builds (once, on first use) the engine of seats named in `frozen_seats`:
-    a frozen copy of the initial weights that plays but never trains.
+    a frozen copy of the initial weights that plays but never trains. With `eval_frozen_seats`
+    evaluation rows may give those seats to the same copy (`Seats.frozen`): a win rate against
+    the initial weights.
     """
 
     def __init__(
@@ -333,13 +358,18 @@ class Rollouter:
         groups: RolloutGroup,
         config: RolloutConfig,
         frozen_seats: Sequence[str] = (),
+        eval_frozen_seats: Sequence[str] = (),
         frozen_engine: Callable[[], Engine] | None = None,
         stop: Sequence[str] = (),
     ):
-        if frozen_seats and frozen_engine is None:
-            raise ValueError(f"frozen seats {list(frozen_seats)} need a frozen_engine (the backend's)")
+        wanted = [*frozen_seats, *eval_frozen_seats]
+        if wanted and frozen_engine is None:
+            raise ValueError(
+                f"frozen seats {list(dict.fromkeys(wanted))} need a frozen_engine (the backend's)"
+            )
         self.engine, self.tokenizer, self.groups, self.config = engine, tokenizer, groups, config
         self.frozen_seats, self._frozen_engine_fn = tuple(frozen_seats), frozen_engine
+        self.eval_frozen_seats = tuple(eval_frozen_seats)
         self._policies: dict[tuple[str, bool], Policy] = {}
         # a step's extra round of dynamic sampling (trainers/dynamic.py): 0 for the step's own
         self.extra_round = 0
@@ -368,9 +398,13 @@ class Rollouter:
             )
         return self._policies[name, frozen]
 
-    def engines(self) -> list[Engine]:
+    def _frozen_in(self, evaluation: bool) -> tuple[str, ...]:
+        """The seats the frozen copy may play in this phase (known on every rank before it starts)."""
+        return self.frozen_seats + (self.eval_frozen_seats if evaluation else ())
+
+    def engines(self, *, evaluation: bool = False) -> list[Engine]:
         """Every engine a lineup may use: a rank holding none of a frozen seat still joins its calls."""
-        return [self.engine, self._frozen_engine()] if self.frozen_seats else [self.engine]
+        return [self.engine, self._frozen_engine()] if self._frozen_in(evaluation) else [self.engine]
 
     def _frozen_engine(self) -> Engine:
         assert self._frozen_engine_fn is not None, "__init__ refuses frozen seats without a frozen_engine"
@@ -422,18 +456,23 @@ class Rollouter:
         plan = self.plan(rows, step)
         if scheduler is not None:
             return self._scheduled(scheduler, plan, reward_key)
-        return self._lineups(plan, self.seat)
+        return self._lineups(plan, Seats(self.seat, self._frozen_policy, self._frozen_in(False)))
 
     def evaluate(self, rows: Sequence[object], step: int) -> Rollout:
         """Each row played once, the trained policy in every policy seat (collective).
 
         Also a seat a frozen opponent holds in training: evaluation measures what training
-        changes. Seeds differ from every training step's.
+        changes. A row may still give a seat to the frozen initial weights (`Seats.frozen`, one
+        of `eval_frozen_seats`): the games against them. Seeds differ from every training step's.
         """
-        return self._lineups(self.plan(rows, step, evaluation=True), self.trained)
+        seats = Seats(self.trained, self._frozen_policy, self._frozen_in(True))
+        return self._lineups(self.plan(rows, step, evaluation=True), seats, evaluation=True)
 
-    def _lineups(self, plan: RolloutPlan[object], seat: Callable[[str], Policy]) -> Rollout:
-        convs = [_conversation(s, seat) for s in plan.samples]
+    def _frozen_policy(self, name: str) -> Policy:
+        return self._policy(name, frozen=True)
+
+    def _lineups(self, plan: RolloutPlan[object], seats: Seats, *, evaluation: bool = False) -> Rollout:
+        convs = [_conversation(s, seats) for s in plan.samples]
         co_step(
             convs,
             turns=None,
@@ -441,7 +480,7 @@ class Rollouter:
             group_seed=plan.group_seed,
             gather_fn=plan.gather_fn,
             rank=plan.rank,
-            engines=self.engines(),
+            engines=self.engines(evaluation=evaluation),
             step_timeout_s=plan.step_timeout_s,
             on_sample_error=plan.on_sample_error,
             overlap=self.config.overlap,
@@ -506,7 +545,7 @@ def expand_rows(
     return out
 
 
-def _conversation(sample: Sample[object], seat: Callable[[str], Policy]) -> Conversation:
+def _conversation(sample: Sample[object], seat: Seats) -> Conversation:
     """One sample of a lineup row: its seats filled by `seat`, its turn cap, its own seed."""
     row = sample.row
     if not isinstance(row, Task):  # a dataset row (messages) given to the lineup path

@@ -59,12 +59,15 @@ class TaskSource(ABC):
         name: shown in metrics and in the default output folder `runs/<name>-<time>`.
         trained_seats: the policy seats that yield a trajectory each (self-play: all of them).
         frozen_seats: policy seats the trainer fills with a frozen copy of the initial weights.
+        eval_frozen_seats: seats evaluation rows may give that copy (`seat.frozen(name)` in a
+            lineup), so that evaluation plays against the initial weights.
         reward_key: with a scheduler, the `rollout_infos` key that holds the environment reward.
     """
 
     name: str = "task"
     trained_seats: tuple[str, ...] = ("policy",)
     frozen_seats: tuple[str, ...] = ()
+    eval_frozen_seats: tuple[str, ...] = ()
     reward_key: str = "reward"
     stop: tuple[str, ...] = ()  # strings that end a policy turn in this task (a tool call's close)
 

@@ -15,8 +15,11 @@ per seat lie in [0, 1]:
 Form, closeness and the "nobody played" case are not zero-sum: in self-play both seats'
 rewards rise while they learn to play, and closeness keeps pulling toward the target when
 every game is a tie. Between two players who play, the outcome is zero-sum, so skill at the
-game itself is measured against a fixed opponent, a uniformly random player
-(`DuelTask(random_seats=...)`): the win rate counts a tie as half a win.
+game itself is measured against a fixed opponent: a uniformly random player
+(`DuelTask(random_seats=...)`), or the frozen initial weights (`DuelTask(frozen_seats=...)`,
+which the trainer fills). The win rate counts a tie as half a win. A game with one such
+opponent reports the other seat's outcome as `conv.infos["rate/win_vs_random"]` or
+`["rate/win_vs_initial"]`, and per seat as `.../<seat>` (evaluation's `eval/rate/...`).
 
 Example (self-play: the trainer fills both seats with the trained policy)::
 
@@ -56,6 +59,7 @@ class DuelTask:
     form_weight: float = 0.5
     closeness_weight: float = 0.5  # share of the game part paid for closeness to the target
     random_seats: tuple[str, ...] = ()  # seats played by a uniformly random player, not a policy
+    frozen_seats: tuple[str, ...] = ()  # seats played by the trainer's frozen initial weights
     max_turns: ClassVar[int] = 3  # player_a, player_b, referee
 
     def __post_init__(self) -> None:
@@ -64,9 +68,13 @@ class DuelTask:
         for name in ("form_weight", "closeness_weight"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"DuelTask.{name} must lie in [0, 1], got {getattr(self, name)}")
-        unknown = [s for s in self.random_seats if s not in SEATS]
-        if unknown:
-            raise ValueError(f"DuelTask.random_seats holds {unknown}; the seats are {list(SEATS)}")
+        for name in ("random_seats", "frozen_seats"):
+            unknown = [s for s in getattr(self, name) if s not in SEATS]
+            if unknown:
+                raise ValueError(f"DuelTask.{name} holds {unknown}; the seats are {list(SEATS)}")
+        both = set(self.random_seats) & set(self.frozen_seats)
+        if both:
+            raise ValueError(f"DuelTask: seats {sorted(both)} are in both random_seats and frozen_seats")
 
     def prompt(self) -> list[Message]:
         text = f"target {self.target}. say a number from {self.low} to {self.high}. closest wins"
@@ -76,12 +84,32 @@ class DuelTask:
         return DuelReferee(self)
 
     def lineup(self, seat: Callable[[str], Policy]) -> list[Participant]:
-        """Both seats in order (a policy from `seat(name)`, or a random player), then the referee."""
-        players: list[Participant] = [
-            RandomPlayer(name, self.low, self.high) if name in self.random_seats else seat(name)
-            for name in SEATS
-        ]
+        """Both seats in order (a policy from `seat(name)`, a random player, or the frozen initial
+        weights from `seat.frozen(name)`), then the referee."""
+        players: list[Participant] = []
+        for name in SEATS:
+            if name in self.random_seats:
+                players.append(RandomPlayer(name, self.low, self.high))
+            elif name in self.frozen_seats:
+                frozen = getattr(seat, "frozen", None)
+                if frozen is None:
+                    raise ValueError(
+                        f"DuelTask.frozen_seats {list(self.frozen_seats)}: the seat callable has no "
+                        ".frozen(name); the trainer's (a rollout.Seats) gives the frozen initial weights"
+                    )
+                players.append(frozen(name))
+            else:
+                players.append(seat(name))
         return [*players, self.environment()]
+
+    def opponent(self) -> tuple[str, str] | None:
+        """(the fixed opponent's kind, "random" or "initial"; the seat it plays against), when one
+        seat is a fixed opponent and the other is not."""
+        fixed = [*self.random_seats, *self.frozen_seats]
+        if len(fixed) != 1:
+            return None
+        (other,) = (s for s in SEATS if s not in fixed)
+        return ("random" if fixed[0] in self.random_seats else "initial", other)
 
 
 def duel_tasks(n: int, *, seed: int, **task_kwargs) -> list[DuelTask]:
@@ -132,6 +160,10 @@ class DuelReferee(Environment):
         else:
             outcome = dict.fromkeys(SEATS, 0.5)
         conv.infos["outcome"] = outcome
+        fixed = self.task.opponent()
+        if fixed is not None:
+            kind, seat = fixed
+            conv.infos[f"rate/win_vs_{kind}"] = conv.infos[f"rate/win_vs_{kind}/{seat}"] = outcome[seat]
         conv.request_stop("judged")
         winners = [s for s in SEATS if outcome[s] == 1.0]
         return f"{winners[0]} wins" if winners else "tie" if outcome["player_a"] else "nobody played"

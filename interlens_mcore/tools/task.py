@@ -114,6 +114,7 @@ class ToolTaskSource(TaskSource):
             start_workers(self.tools, options.worker_limits)
         self.name = f"{source.name}+tools"
         self.trained_seats, self.frozen_seats = source.trained_seats, source.frozen_seats
+        self.eval_frozen_seats = source.eval_frozen_seats
         # stop strings for the policy's sampling: a turn ends right after a call
         self.stop = tuple(options.parser.stop)
 

@@ -39,17 +39,48 @@ def test_frozen_opponent_trains_one_seat(tmp_path):
     assert [r["step"] for r in evaluations(out)] == [0, 1, 2]
 
 
+BOTH = ["--task-args", '{"eval_opponents": ["random", "initial"]}']
+
+
+def _against_both(evals: list[dict], games: int) -> None:
+    """Each evaluation holds `games` games per seat against each opponent, with intervals."""
+    for r in evals:
+        for kind in ("random", "initial"):
+            assert r[f"eval/rate/win_vs_{kind}_n"] == 2 * games
+            low, rate, high = (r[f"eval/rate/win_vs_{kind}{k}"] for k in ("_low", "", "_high"))
+            assert 0.0 <= low <= rate <= high <= 1.0
+            for seat in ("player_a", "player_b"):
+                assert r[f"eval/rate/win_vs_{kind}/{seat}_n"] == games
+        # the two opponents' games together make the per-seat win rate
+        for seat in ("player_a", "player_b"):
+            both = (r[f"eval/rate/win_vs_random/{seat}"] + r[f"eval/rate/win_vs_initial/{seat}"]) / 2
+            assert abs(r[f"eval/win_rate/{seat}"] - both) < 1e-9
+
+
+def test_self_play_evaluated_against_the_initial_weights(tmp_path):
+    # the frozen copy is built at the first evaluation, while training never uses it
+    out = tmp_path / "duel"
+    args = ["--task", "duel", *BOTH, "--steps", "2", "--eval-every", "2", "--beta", "0.0"]
+    res = torchrun("--output-dir", str(out), *args, *SMALL)
+    assert res.returncode == 0, res.stderr[-3000:]
+    evals = evaluations(out)
+    assert [r["step"] for r in evals] == [0, 2]
+    _against_both(evals, games=4 * 2)  # --eval-size 4 on 2 ranks
+
+
 def test_deepspeed_zero3_self_play_with_micro_batches(tmp_path):
     # two trained seats: 8 conversations -> 16 trajectories -> 4 micro-batches of 4, which must
-    # match DeepSpeed's accumulation steps; evaluation generates collectively under ZeRO-3
+    # match DeepSpeed's accumulation steps; evaluation generates collectively under ZeRO-3, the
+    # games against the initial weights with the frozen copy outside ZeRO
     out = tmp_path / "ds"
-    args = ["--backend", "deepspeed", "--task", "duel", "--steps", "2", "--eval-every", "1"]
+    args = ["--backend", "deepspeed", "--task", "duel", *BOTH, "--steps", "2", "--eval-every", "1"]
     res = torchrun("--output-dir", str(out), *args, *SMALL, "--micro-batch-size", "4")
     assert res.returncode == 0, res.stderr[-3000:]
     records = metrics(out)
     assert [r["step"] for r in records] == [0, 1]
     assert all(r["step_skipped"] == 0 and r["grad_norm"] > 0 for r in records)
     assert all("reward_mean/player_b" in r and "eval/win_rate/player_b" in r for r in records)
+    _against_both(evaluations(out), games=4 * 2)
 
 
 def test_opponent_needs_a_multi_seat_task(tmp_path):

@@ -188,6 +188,107 @@ def test_frozen_opponent_seat(tiny, tiny_path):
     assert wins == ["win_rate/player_a", "win_rate/player_b"]
 
 
+def test_eval_opponents_random_and_initial_play_the_same_targets():
+    source = DuelTasks(eval_opponents=["random", "initial"])
+    assert source.eval_frozen_seats == ("player_a", "player_b") and source.frozen_seats == ()
+    assert source.describe()["eval_opponents"] == ["random", "initial"]
+    rows = source.eval_rows(3, seed=5)
+    # per opponent, 3 games with player_a evaluated, then 3 with player_b
+    assert [(t.random_seats, t.frozen_seats) for t in rows] == (
+        [(("player_b",), ())] * 3
+        + [(("player_a",), ())] * 3
+        + [((), ("player_b",))] * 3
+        + [((), ("player_a",))] * 3
+    )
+    assert [t.target for t in rows[:6]] == [t.target for t in rows[6:]]  # a paired comparison
+    assert [t.opponent() for t in rows[::3]] == [
+        ("random", "player_a"),
+        ("random", "player_b"),
+        ("initial", "player_a"),
+        ("initial", "player_b"),
+    ]
+    assert DuelTasks().eval_frozen_seats == () and len(DuelTasks().eval_rows(3, seed=5)) == 6
+    with pytest.raises(
+        ValueError, match=r"eval_opponents holds \['mirror'\]; each must be one of random, initial"
+    ):
+        DuelTasks(eval_opponents=["random", "mirror"])
+    with pytest.raises(ValueError, match="eval_opponents must be a non-empty list, got 'initial'"):
+        DuelTasks(eval_opponents="initial")
+    with pytest.raises(ValueError, match=r"seats \['player_b'\] are in both random_seats and frozen_seats"):
+        DuelTask(target=3, random_seats=("player_b",), frozen_seats=("player_b",))
+    with pytest.raises(ValueError, match="the seat callable has no .frozen"):
+        DuelTask(target=3, frozen_seats=("player_b",)).lineup(lambda name: Scripted(name, ["1"]))
+
+
+def test_referee_reports_the_win_against_a_fixed_opponent():
+    task = DuelTask(target=5, frozen_seats=("player_a",))
+    conv = Conversation(
+        [
+            Scripted("player_a", ["4"], role="assistant"),
+            Scripted("player_b", ["5"], role="assistant"),
+            task.environment(),
+        ],
+        prompt=task.prompt(),
+    )
+    conv.start()
+    for speaker in conv.lineup:
+        conv.commit(speaker, Message(speaker=speaker.name, content=speaker.respond(conv), role=speaker.role))
+    # player_b (the evaluated seat) named the target against the initial weights' 4
+    assert conv.infos["rate/win_vs_initial"] == conv.infos["rate/win_vs_initial/player_b"] == 1.0
+    assert not any(k.startswith("rate/win_vs_random") for k in conv.infos)
+    conv, _ = _judge("4", "7")  # self-play: no fixed opponent, no such rate
+    assert not any(k.startswith("rate/") for k in conv.infos)
+
+
+def test_evaluation_against_the_initial_weights(tiny, tiny_path):
+    from transformers import AutoModelForCausalLM
+
+    from trainers.report.record import sample_rates
+
+    frozen = HFEngine(AutoModelForCausalLM.from_pretrained(tiny_path), tiny[1], name="frozen")
+    source = DuelTasks(eval_opponents=["random", "initial"])
+
+    class VsInitial(Trainer):
+        eval_frozen_seats = source.eval_frozen_seats
+
+        def frozen_engine(self):
+            return frozen
+
+    trainer = VsInitial(*tiny)
+    rollout = trainer.evaluate(source.eval_rows(2, seed=3), step=0)
+    # one trajectory per game, the evaluated seat's: neither the random nor the frozen one trains
+    assert [t.participant for t in rollout.trajectories] == [
+        "player_a",
+        "player_a",
+        "player_b",
+        "player_b",
+    ] * 2
+    rates = [sample_rates(t) for t in rollout.trajectories]
+    seats = ["player_a", "player_a", "player_b", "player_b"]
+    assert [sorted(r) for r in rates] == [
+        sorted([f"rate/win_vs_{kind}", f"rate/win_vs_{kind}/{seat}"])
+        for kind in ("random", "initial")
+        for seat in seats
+    ]
+    assert all(
+        t.infos["success"] == r[f"rate/win_vs_{k}"]
+        for t, r, k in zip(rollout.trajectories, rates, ["random"] * 4 + ["initial"] * 4)
+    )
+    # the frozen seat's replies were sampled (they carry token ids): the frozen engine played them
+    convs = rollout.conversations[4:]
+    assert all(
+        m.token_ids
+        for c, seat in zip(convs, ["player_b", "player_b", "player_a", "player_a"])
+        for m in c.messages
+        if m.speaker == seat
+    )
+    # a training row that asks for the frozen copy when the source declared none for training
+    with pytest.raises(
+        ValueError, match="seat 'player_b' asks for the frozen initial weights, but the task source names"
+    ):
+        trainer.generate_rollouts([DuelTask(target=3, frozen_seats=("player_b",))], step=0)
+
+
 class _Slow(Environment):
     """Answers at once, except in the conversations named in `slow`, where it never returns in time."""
 
