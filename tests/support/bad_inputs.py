@@ -326,6 +326,11 @@ SECTIONS: list[tuple[str, list[Refusal]]] = [
                 "--task duel: task_args.opponent must be one of self, random, frozen, got 'mirror'",
             ),
             Refusal(
+                "an evaluation opponent the duel does not know",
+                ("--task", "duel", "--task-args", '{"eval_opponents": ["random", "mirror"]}'),
+                "--task duel: task_args.eval_opponents holds ['mirror']; each must be one of random, initial",
+            ),
+            Refusal(
                 "a task option the task does not take",
                 ("--task", "guess", "--task-args", '{"opponent": "random"}'),
                 "--task guess: bad --task-args {'opponent': 'random'}: …",
