@@ -11,6 +11,17 @@ def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
+def rate_keys(keys: list[str]) -> list[str]:
+    """The rates drawn: success and win rates, and each rate the environments reported
+    (`eval/rate/NAME`, with its count; not its per-seat parts `eval/rate/NAME/SEAT`)."""
+    rates = [k for k in keys if k.startswith("eval/win_rate/") or k in ("eval/success_rate", "success_rate")]
+    return rates + [k for k in keys if k.startswith("eval/rate/") and f"{k}_n" in keys and k.count("/") == 2]
+
+
+def _bound_keys(key: str) -> tuple[str, str]:
+    return f"{key}_low", f"{key}_high"
+
+
 def plot_run(records: list[dict], out: Path) -> None:
     """Three panels: rewards (per seat when several train) and success rates; KL; loss."""
     import matplotlib
@@ -21,7 +32,7 @@ def plot_run(records: list[dict], out: Path) -> None:
     train = [r for r in records if "reward_mean" in r]
     keys = sorted({k for r in records for k in r})
     seats = [k for k in keys if k.startswith("reward_mean/")]
-    rates = [k for k in keys if k.startswith("eval/win_rate/") or k in ("eval/success_rate", "success_rate")]
+    rates = rate_keys(keys)
     fig, (ax, kl, loss) = plt.subplots(1, 3, figsize=(12, 3.5))
     for key in seats or ["reward_mean"]:
         ax.plot(*_series(train, key), label=key.replace("reward_mean/", "reward "))
@@ -34,11 +45,12 @@ def plot_run(records: list[dict], out: Path) -> None:
     for key in rates:
         style = "-" if key == "success_rate" else "o--"
         steps, values = _series(records, key)
-        bounds = [
-            (r.get("eval/success_low"), r.get("eval/success_high")) for r in records if r.get(key) is not None
-        ]
+        low, high = (
+            ("eval/success_low", "eval/success_high") if key == "eval/success_rate" else _bound_keys(key)
+        )
+        bounds = [(r.get(low), r.get(high)) for r in records if r.get(key) is not None]
         intervals = [(lo, hi) for lo, hi in bounds if lo is not None and hi is not None]
-        if key == "eval/success_rate" and len(intervals) == len(bounds):
+        if key.startswith("eval/") and intervals and len(intervals) == len(bounds):
             # the 95 % Wilson interval of each held-out measurement
             spread = [
                 [v - lo for v, (lo, _) in zip(values, intervals)],
@@ -49,7 +61,7 @@ def plot_run(records: list[dict], out: Path) -> None:
             ax.plot(steps, values, style, label=key)
     ax.set_xlabel("step")
     ax.set_ylabel("reward / rate")
-    ax.legend(loc="lower right", fontsize=7)
+    ax.legend(loc="best", fontsize=6)
     for panel, key in ((kl, "kl"), (loss, "loss")):
         panel.plot(*_series(train, key))
         panel.set_xlabel("step")

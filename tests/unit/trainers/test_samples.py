@@ -183,3 +183,17 @@ def test_evaluation_reports_each_rate_with_its_count_and_interval():
     key = "eval/rate/second_attempt_after_miss"
     assert (out[f"{key}_low"], out[f"{key}_high"]) == (low, high)
     assert not [k for k in out if "odd" in k or "text" in k]
+
+
+def test_reward_png_draws_each_reported_rate_with_its_interval(tmp_path):
+    from trainers.report.plot import plot_run, rate_keys
+
+    figures = {"eval/success_rate": 0.5, "eval/success_low": 0.4, "eval/success_high": 0.6}
+    for name in ("eval/rate/win_vs_initial", "eval/rate/win_vs_initial/player_a"):
+        figures.update({name: 0.5, f"{name}_n": 8, f"{name}_low": 0.2, f"{name}_high": 0.8})
+    records = [{"step": 0, **figures}, {"step": 1, "reward_mean": 0.5, "kl": 0.0, "loss": 0.1}]
+    keys = sorted({k for r in records for k in r})
+    # the rate itself, not its count, bounds or per-seat part
+    assert rate_keys(keys) == ["eval/success_rate", "eval/rate/win_vs_initial"]
+    plot_run(records, tmp_path / "reward.png")
+    assert (tmp_path / "reward.png").stat().st_size > 0
