@@ -258,7 +258,8 @@ class Task(Protocol):
 
     `lineup(seat)` returns the participants in speaking order; `seat(name)` is the trainer's
     policy for a seat (trained, or frozen when the task source says so), so the task decides
-    which seats a policy plays and which an environment or fixed opponent takes.
+    which seats a policy plays and which an environment or fixed opponent takes; `seat` is a
+    `Seats`, whose `seat.frozen(name)` gives a seat to the frozen initial weights.
     """
 
     max_turns: int
