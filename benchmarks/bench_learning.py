@@ -2,7 +2,11 @@
 wall time and against samples.
 
     python benchmarks/bench_learning.py --json                    # ours (Megatron, our engine), then TRL
-    .venv-vllm/bin/python benchmarks/bench_learning.py --json --engine vllm   # ours with vLLM
+    python benchmarks/bench_learning.py --json --engine vllm      # ours with vLLM, then TRL
+
+`--engine vllm` needs vLLM, reasoning-gym and TRL in one environment (a GPU machine with
+`pip install -e ".[all,vllm]"`); the CPU vLLM stage's `.venv-vllm` has neither reasoning-gym nor
+TRL, so on CPU this variant has not been run.
 
 The job is a recipe of `launch/configs/` (--config, default the SmolLM2-135M-Instruct
 basic_arithmetic one): its task, group size, learning rate, KL setting, temperature and reply
