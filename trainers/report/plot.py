@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .record import RATE_PREFIX
+
 
 def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     pairs = [(r["step"], r[key]) for r in records if r.get(key) is not None]
@@ -15,11 +17,8 @@ def rate_keys(keys: list[str]) -> list[str]:
     """The rates drawn: success and win rates, and each rate the environments reported
     (`eval/rate/NAME`, with its count; not its per-seat parts `eval/rate/NAME/SEAT`)."""
     rates = [k for k in keys if k.startswith("eval/win_rate/") or k in ("eval/success_rate", "success_rate")]
-    return rates + [k for k in keys if k.startswith("eval/rate/") and f"{k}_n" in keys and k.count("/") == 2]
-
-
-def _bound_keys(key: str) -> tuple[str, str]:
-    return f"{key}_low", f"{key}_high"
+    reported = f"eval/{RATE_PREFIX}"
+    return rates + [k for k in keys if k.startswith(reported) and f"{k}_n" in keys and k.count("/") == 2]
 
 
 def plot_run(records: list[dict], out: Path) -> None:
@@ -46,7 +45,9 @@ def plot_run(records: list[dict], out: Path) -> None:
         style = "-" if key == "success_rate" else "o--"
         steps, values = _series(records, key)
         low, high = (
-            ("eval/success_low", "eval/success_high") if key == "eval/success_rate" else _bound_keys(key)
+            ("eval/success_low", "eval/success_high")
+            if key == "eval/success_rate"
+            else (f"{key}_low", f"{key}_high")
         )
         bounds = [(r.get(low), r.get(high)) for r in records if r.get(key) is not None]
         intervals = [(lo, hi) for lo, hi in bounds if lo is not None and hi is not None]
