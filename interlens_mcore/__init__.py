@@ -1,32 +1,88 @@
-"""interlens_mcore: multi-turn, multi-party colocated rollouts for GRPO training."""
+"""interlens_mcore: multi-turn, multi-party colocated rollouts for GRPO training.
 
-from .chat import ChatFormat
-from .distributed import ParallelGroups, build_groups
-from .engines.base import Engine, Generation, GenerationRequest, SamplingParams
-from .engines.hf import HFEngine
-from .grpo.advantages import group_advantages
-from .grpo.batch import TrainingBatch, build_batch
-from .grpo.loss.config import LossConfig
-from .grpo.loss.objective import grpo_loss
-from .rollout.conversation import Conversation, Environment, Participant, Policy, Scripted
-from .rollout.costep import co_step, co_step_async, schedule_signature
-from .rollout.mixin import RolloutMixin
-from .rollout.multiturn import (
-    EngineRollout,
-    MultiTurnError,
-    MultiTurnRequest,
-    MultiTurnScheduler,
-    MultiTurnValueError,
-    ResponseChoice,
-    RolloutOutput,
-    ToolScheduler,
-    prepare_requests,
-    run_multi_turn,
-    run_multi_turn_async,
-)
-from .rollout.stop import AnyOf, MaxTurns, Predicate, StopCondition, TokenBudget, stop_when
-from .rollout.vote import RolloutError, RolloutValueError
-from .types import Message, Status, Trajectory, TrajectoryInfo, TurnSpan
+Names are imported on first use (PEP 562): `import interlens_mcore` costs no torch, megatron-core
+or DeepSpeed import, so tool workers, plug-in loaders and the command line's `--help` start fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+# module (relative to this package) -> the public names it holds
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    ".chat": ("ChatFormat",),
+    ".distributed": ("ParallelGroups", "build_groups"),
+    ".engines.base": ("Engine", "Generation", "GenerationRequest", "SamplingParams"),
+    ".engines.hf": ("HFEngine",),
+    ".grpo.advantages": ("group_advantages",),
+    ".grpo.batch": ("TrainingBatch", "build_batch"),
+    ".grpo.loss.config": ("LossConfig",),
+    ".grpo.loss.objective": ("grpo_loss",),
+    ".rollout.conversation": ("Conversation", "Environment", "Participant", "Policy", "Scripted"),
+    ".rollout.costep": ("co_step", "co_step_async", "schedule_signature"),
+    ".rollout.mixin": ("RolloutMixin",),
+    ".rollout.multiturn": (
+        "EngineRollout",
+        "MultiTurnError",
+        "MultiTurnRequest",
+        "MultiTurnScheduler",
+        "MultiTurnValueError",
+        "ResponseChoice",
+        "RolloutOutput",
+        "ToolScheduler",
+        "prepare_requests",
+        "run_multi_turn",
+        "run_multi_turn_async",
+    ),
+    ".rollout.stop": ("AnyOf", "MaxTurns", "Predicate", "StopCondition", "TokenBudget", "stop_when"),
+    ".rollout.vote": ("RolloutError", "RolloutValueError"),
+    ".types": ("Message", "Status", "Trajectory", "TrajectoryInfo", "TurnSpan"),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+
+if TYPE_CHECKING:  # what type checkers and editors see: the same names, imported eagerly
+    from .chat import ChatFormat
+    from .distributed import ParallelGroups, build_groups
+    from .engines.base import Engine, Generation, GenerationRequest, SamplingParams
+    from .engines.hf import HFEngine
+    from .grpo.advantages import group_advantages
+    from .grpo.batch import TrainingBatch, build_batch
+    from .grpo.loss.config import LossConfig
+    from .grpo.loss.objective import grpo_loss
+    from .rollout.conversation import Conversation, Environment, Participant, Policy, Scripted
+    from .rollout.costep import co_step, co_step_async, schedule_signature
+    from .rollout.mixin import RolloutMixin
+    from .rollout.multiturn import (
+        EngineRollout,
+        MultiTurnError,
+        MultiTurnRequest,
+        MultiTurnScheduler,
+        MultiTurnValueError,
+        ResponseChoice,
+        RolloutOutput,
+        ToolScheduler,
+        prepare_requests,
+        run_multi_turn,
+        run_multi_turn_async,
+    )
+    from .rollout.stop import AnyOf, MaxTurns, Predicate, StopCondition, TokenBudget, stop_when
+    from .rollout.vote import RolloutError, RolloutValueError
+    from .types import Message, Status, Trajectory, TrajectoryInfo, TurnSpan
+
+
+def __getattr__(name: str) -> object:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups skip this hook
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_WHERE])
+
 
 __all__ = [
     "AnyOf",

@@ -170,3 +170,25 @@ def test_any_per_thousand_library_lines():
     per_1000 = 1000 * uses / lines
     print(f"\nAny: {uses} uses in {lines} library lines = {per_1000:.1f} per 1,000 lines")
     assert lines > 0
+
+
+def test_importing_the_package_costs_no_torch_and_every_public_name_resolves():
+    """`import interlens_mcore` is lazy (PEP 562): tool workers and plug-in loaders that import it
+    start without torch, megatron-core or DeepSpeed; each public name still imports on first use.
+    A fresh interpreter, because this one has long imported torch."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, interlens_mcore as m\n"
+        "heavy = [k for k in ('torch', 'megatron', 'deepspeed', 'transformers') if k in sys.modules]\n"
+        "print(heavy)\n"
+        "assert sorted(m.__all__) == sorted(m._WHERE), 'the export table and __all__ differ'\n"
+        "missing = [n for n in m.__all__ if getattr(m, n, None) is None]\n"
+        "print(missing)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    heavy, missing = out.stdout.splitlines()
+    assert heavy == "[]", f"import interlens_mcore imported {heavy}"
+    assert missing == "[]", f"public names that do not resolve: {missing}"
