@@ -188,9 +188,12 @@ def swift_source(args: Args) -> TaskSource:
 
 
 def tokenizer(args: Args):
+    """--model's tokenizer; an asset folder cached before the tool-capable templates gets them."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_folder(args))
+    from interlens_mcore.assets.chat_templates import with_tool_template
+
+    return with_tool_template(AutoTokenizer.from_pretrained(model_folder(args)))
 
 
 def reward_fns(args: Args, groups: Any = None) -> tuple[list[Any], list[float] | None]:
