@@ -30,7 +30,7 @@ SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Huggin
 # what the tools block says around the schemas (the call format is the parser's)
 TOOLS_INTRO = "You can call the functions below. Each line is one function's JSON schema:\n<tools>\n"
 TOOLS_OUTRO = (
-    "</tools>\nTo call one, write <tool_call>{\"name\": FUNCTION_NAME, \"arguments\": "
+    '</tools>\nTo call one, write <tool_call>{"name": FUNCTION_NAME, "arguments": '
     "{ARGUMENT: VALUE}}</tool_call> and stop; its result comes back in a tool message."
 )
 
