@@ -163,6 +163,7 @@ class EnvironmentSource(TaskSource):
         max_calls: int = 4,
         tool_timeout_s: float | None = 10.0,
         max_result_chars: int = 2000,
+        what: str = "environment_factory",  # how errors name the factory (the flag and its value)
     ):
         if max_calls < 1:
             raise ValueError(f"environment_factory: max_calls must be >= 1, got {max_calls}")
@@ -170,7 +171,7 @@ class EnvironmentSource(TaskSource):
         self.tools = [as_tool(t) for t in tools]
         self.tokenizer, self.max_calls = tokenizer, max_calls
         self.tool_timeout_s, self.max_result_chars = tool_timeout_s, max_result_chars
-        self.multi = None not in self.factories
+        self.multi, self.what = None not in self.factories, what
         self.registry: dict[str, object] = {}  # conversation id -> its instance, for the rewards
         self.name = f"{dataset.name}+env"
         self.stop = HermesParser().stop
@@ -185,7 +186,7 @@ class EnvironmentSource(TaskSource):
             self.classes.append(type(probe))
 
     def _label(self, name: str | None) -> str:
-        return "environment_factory" + ("" if name is None else f"[{name!r}]")
+        return self.what + ("" if name is None else f"[{name!r}]")
 
     def factory_of(self, row: PromptRow) -> tuple[str | None, Factory]:
         if not self.multi:
@@ -299,4 +300,4 @@ def source(
     if isinstance(spec_or_factory, str):
         what = f"--environment-factory {spec_or_factory}"
     factories = factories_of(obj, what=what)
-    return EnvironmentSource(dataset, factories, tools=tools, tokenizer=tokenizer, **options)
+    return EnvironmentSource(dataset, factories, tools=tools, tokenizer=tokenizer, what=what, **options)
