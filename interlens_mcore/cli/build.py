@@ -176,7 +176,13 @@ def environment_source(args: Args) -> TaskSource:
         from interlens_mcore.tools import load_tools
 
         tools = load_tools(la.tools)
-    return trl_env.source(rows, la.environment_factory, tools=tools, tokenizer=tokenizer(args))
+    options = la.task_arguments
+    unknown = sorted(set(options) - set(trl_env.OPTIONS))
+    if unknown:
+        raise ValueError(
+            f"--environment-factory: no option {unknown[0]!r} (--task-arg takes {', '.join(trl_env.OPTIONS)})"
+        )
+    return trl_env.source(rows, la.environment_factory, tools=tools, tokenizer=tokenizer(args), **options)
 
 
 def add_tools(args: Args, source: TaskSource) -> TaskSource:

@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 
 Factory = Callable[[], Any]
 NOT_TOOLS = ("reset", "get_reward")
+OPTIONS = ("max_calls", "tool_timeout_s", "max_result_chars")  # what --task-arg sets here
 
 
 def factories_of(obj: object, *, what: str) -> dict[str | None, Factory]:

@@ -126,3 +126,22 @@ def test_a_tool_conversation_in_the_parsers_form(tokenizers, name):
     alone = tok.apply_chat_template(messages[1:2], tools=[add], tokenize=False)
     head = f"<|im_start|>system\n{default_system}\n\n" if default_system else "<|im_start|>system\nYou can"
     assert alone.startswith(head) and '"name": "add"' in alone
+
+
+def test_a_fresh_build_saves_the_tool_template(tmp_path, tiny_path):
+    from interlens_mcore.assets.chat_templates import RESPONSE_TEMPLATE
+    from interlens_mcore.assets.tiny import build_tokenizer
+
+    build_tokenizer(tmp_path)
+    fresh, cached = AutoTokenizer.from_pretrained(tmp_path), AutoTokenizer.from_pretrained(tiny_path)
+    assert fresh.chat_template == TINY_TEMPLATE and fresh.response_template == RESPONSE_TEMPLATE
+    assert with_tool_template(fresh).chat_template == TINY_TEMPLATE  # recognised as it is: unchanged
+    # the same text as the cached folder's tokenizer under its own template (the ids also depend on
+    # the tokenizer class, which a folder without a model config does not choose)
+    for messages in CONVERSATIONS:
+        for gen in (False, True):
+            texts = {
+                t.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+                for t in (fresh, cached)
+            }
+            assert len(texts) == 1
