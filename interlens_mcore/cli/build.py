@@ -154,7 +154,8 @@ def refuse_outside_flags(args: Args, why: str) -> None:
 
 def environment_source(args: Args) -> TaskSource:
     """`--environment-factory MODULE:NAME --dataset rows.jsonl [--tools ...]`: TRL's environments."""
-    from interlens_mcore.tasks import dataset, trl_env
+    from interlens_mcore.tasks import dataset
+    from interlens_mcore.tools import trl_env
 
     la = args.launch
     for flag, given in (
@@ -241,7 +242,7 @@ def reward_fns(
     rollout group's vote; without them it votes alone. An --environment-factory `source` adds its
     classes' `get_reward` and gives TRL-convention functions `environments=`."""
     from interlens_mcore.rewards import adapt, named
-    from interlens_mcore.tasks.trl_env import EnvironmentSource, with_environments
+    from interlens_mcore.tools.trl_env import EnvironmentSource, with_environments
 
     la = args.launch
     fns: list[Any] = [] if la.no_env_reward else [environment_reward]

@@ -118,7 +118,7 @@ class TRLReward(StatefulReward):
     """A TRL reward function called with TRL's arguments (module docstring).
 
     `per_sample`: more keywords, one list over the trajectories each (TRL's `environments`,
-    the environment instance of each sample, from `tasks.trl_env`).
+    the environment instance of each sample, from `tools.trl_env`).
     """
 
     def __init__(

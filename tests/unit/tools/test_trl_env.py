@@ -12,9 +12,8 @@ from support.play import play, scored
 from support.trl_envs import BY_NAME, Faulty, Lamp, Vault, fewer_tries
 
 from interlens_mcore.rewards import adapt
-from interlens_mcore.tasks import trl_env
 from interlens_mcore.tasks.dataset import DatasetSource
-from interlens_mcore.tools import load_tools
+from interlens_mcore.tools import load_tools, trl_env
 
 
 def call(name, **arguments):

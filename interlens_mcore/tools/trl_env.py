@@ -35,13 +35,13 @@ from typing import TYPE_CHECKING, Any
 from ..grpo.rewards import RewardFn
 from ..rewards.conventions import awaited
 from ..rollout.conversation import Conversation, Participant, Policy
-from ..tools.environment import ToolEnvironment
-from ..tools.parser import HermesParser
-from ..tools.render import tools_system_text
-from ..tools.tool import Tool, as_tool, as_tools
+from ..tasks.base import TaskSource
+from ..tasks.dataset import DatasetSource, PromptRow
 from ..types import Message, Trajectory
-from .base import TaskSource
-from .dataset import DatasetSource, PromptRow
+from .environment import ToolEnvironment
+from .parser import HermesParser
+from .render import tools_system_text
+from .tool import Tool, as_tool, as_tools
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
