@@ -32,10 +32,14 @@ def tiny_path(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny(tiny_path):
-    """(model, tokenizer) loaded through from_pretrained."""
+    """(model, tokenizer) loaded through from_pretrained (as `load_tiny` loads them: the tool-capable
+    template also for a folder cached before it)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    return AutoModelForCausalLM.from_pretrained(tiny_path), AutoTokenizer.from_pretrained(tiny_path)
+    from interlens_mcore.assets.chat_templates import with_tool_template
+
+    tokenizer = with_tool_template(AutoTokenizer.from_pretrained(tiny_path))
+    return AutoModelForCausalLM.from_pretrained(tiny_path), tokenizer
 
 
 @pytest.fixture(scope="session")

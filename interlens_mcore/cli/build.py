@@ -63,7 +63,9 @@ def base_source(args: Args) -> TaskSource:
             for flag, value, default in agent_options(la):
                 if value != default:
                     raise ValueError(f"{flag} applies to the agent of --agent MODULE:FN: give one")
-        if la.multi_turn_scheduler is not None:
+        if la.environment_factory is not None:
+            source = environment_source(args)
+        elif la.multi_turn_scheduler is not None:
             source = swift_source(args)
         elif la.dataset is not None:
             from interlens_mcore.tasks import dataset
@@ -150,10 +152,45 @@ def refuse_outside_flags(args: Args, why: str) -> None:
             raise ValueError(f"{why}: {flag} does not reach it (drop one)")
 
 
-def add_tools(args: Args, source: TaskSource) -> TaskSource:
-    """`source` with --tools offered to its policy seats (as it is without --tools)."""
+def environment_source(args: Args) -> TaskSource:
+    """`--environment-factory MODULE:NAME --dataset rows.jsonl [--tools ...]`: TRL's environments."""
+    from interlens_mcore.tasks import dataset
+    from interlens_mcore.tools import trl_env
+
     la = args.launch
+    for flag, given in (
+        ("--dataset", la.dataset is None),
+        ("--multi-turn-scheduler", la.multi_turn_scheduler is not None),
+        ("--agent", la.agent is not None),
+        ("--system-prompt", la.system_prompt is not None),
+    ):
+        if given:
+            why = "needs --dataset (its rows reach reset(**row))" if flag == "--dataset" else (
+                f"and {flag} both make the conversations (drop one; a system message goes in the "
+                "dataset's prompt column)"
+            )
+            raise ValueError(f"--environment-factory {why}")
+    assert la.dataset is not None  # checked above
+    rows = dataset.DatasetSource(la.dataset, prompt_column=la.prompt_column, eval_path=la.eval_dataset)
+    tools = []
     if la.tools is not None:
+        from interlens_mcore.tools import load_tools
+
+        tools = load_tools(la.tools)
+    options = la.task_arguments
+    unknown = sorted(set(options) - set(trl_env.OPTIONS))
+    if unknown:
+        raise ValueError(
+            f"--environment-factory: no option {unknown[0]!r} (--task-arg takes {', '.join(trl_env.OPTIONS)})"
+        )
+    return trl_env.source(rows, la.environment_factory, tools=tools, tokenizer=tokenizer(args), **options)
+
+
+def add_tools(args: Args, source: TaskSource) -> TaskSource:
+    """`source` with --tools offered to its policy seats (as it is without --tools; an
+    --environment-factory source has them already, beside its environments' methods)."""
+    la = args.launch
+    if la.tools is not None and la.environment_factory is None:
         from interlens_mcore.tools import load_tools, with_tools
 
         try:
@@ -188,17 +225,24 @@ def swift_source(args: Args) -> TaskSource:
 
 
 def tokenizer(args: Args):
+    """--model's tokenizer; an asset folder cached before the tool-capable templates gets them."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_folder(args))
+    from interlens_mcore.assets.chat_templates import with_tool_template
+
+    return with_tool_template(AutoTokenizer.from_pretrained(model_folder(args)))
 
 
-def reward_fns(args: Args, groups: Any = None) -> tuple[list[Any], list[float] | None]:
+def reward_fns(
+    args: Args, groups: Any = None, source: TaskSource | None = None
+) -> tuple[list[Any], list[float] | None]:
     """The task's own reward (unless --no-env-reward), each --reward MODULE:FN (any of the three
     conventions, `interlens_mcore.rewards`), each --reward-funcs NAME, then --reward-model's and
     --judge-model's, with weights. `groups` (the trainer's `ParallelGroups`) gives the judge the
-    rollout group's vote; without them it votes alone."""
+    rollout group's vote; without them it votes alone. An --environment-factory `source` adds its
+    classes' `get_reward` and gives TRL-convention functions `environments=`."""
     from interlens_mcore.rewards import adapt, named
+    from interlens_mcore.tools.trl_env import EnvironmentSource, with_environments
 
     la = args.launch
     fns: list[Any] = [] if la.no_env_reward else [environment_reward]
@@ -212,6 +256,8 @@ def reward_fns(args: Args, groups: Any = None) -> tuple[list[Any], list[float] |
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     fns += model_rewards(args, groups)
+    if isinstance(source, EnvironmentSource):
+        fns = with_environments(fns, source)
     if not fns:
         if args.origins.get("no_env_reward") == defaults.DATASET_HAS_NO_REWARD:
             raise UsageError(
@@ -263,7 +309,7 @@ def with_task_defaults(args: Args) -> tuple[Args, TaskSource]:
     if args.launch.dataset is not None and args.launch.agent is None:
         # rows bring no reward of their own (an agent's return value may): the reward functions score
         args = defaults.apply(args, {"no_env_reward": True}, defaults.DATASET_HAS_NO_REWARD)
-    if args.launch.tools is not None:
+    if args.launch.tools is not None or args.launch.environment_factory is not None:
         args = defaults.apply(args, defaults.TOOL_DEFAULTS, "--tools")
     return args, base
 
@@ -339,7 +385,7 @@ def check(args: Args) -> tuple[Args, TaskSource]:
         t.micro_batch_size(t.batch_size * len(source.trained_seats), r.micro_batch_size)
     except ValueError as exc:
         raise UsageError(flagify(str(exc))) from None
-    reward_fns(args)
+    reward_fns(args, source=source)
     if args.launch.eval_only and not source.eval_rows(1, seed=0):
         raise UsageError(
             f"--eval-only: task {source.name} has no held-out rows to evaluate "
@@ -367,7 +413,7 @@ def run_info(args: Args, source: TaskSource) -> dict[str, Any]:
     from interlens_mcore.grpo.rewards import WeightedRewards
     from trainers.grpo import describe_run
 
-    fns, weights = reward_fns(args)
+    fns, weights = reward_fns(args, source=source)
     rewards = WeightedRewards(fns, weights)
     described = describe_run(args.trainer, args.rollout, args.loss, source, rewards, world_size())
     skip = ("resume", "export_hf", "eval_only")  # how this launch uses the run, not what the run is
@@ -434,7 +480,7 @@ def build_trainer(args: Args, source: TaskSource):
         trajectories_per_rank=per_rank,
         micro_batch_size=args.trainer.micro_batch_size(per_rank, args.rollout.micro_batch_size),
     )
-    fns, weights = reward_fns(args, groups)
+    fns, weights = reward_fns(args, groups, source)
     return GRPOTrainer(
         backend=backend,
         tasks=source,

@@ -115,11 +115,20 @@ class Renamed:
 
 
 class TRLReward(StatefulReward):
-    """A TRL reward function called with TRL's arguments (module docstring)."""
+    """A TRL reward function called with TRL's arguments (module docstring).
 
-    def __init__(self, fn: Callable[..., object], name: str):
+    `per_sample`: more keywords, one list over the trajectories each (TRL's `environments`,
+    the environment instance of each sample, from `tools.trl_env`).
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., object],
+        name: str,
+        per_sample: Callable[[Sequence[Trajectory]], dict[str, list[object]]] | None = None,
+    ):
         super().__init__()
-        self.fn, self.name = fn, name
+        self.fn, self.name, self.per_sample = fn, name, per_sample
 
     def __call__(self, trajectories: Sequence[Trajectory], rows: Sequence[Any]) -> Sequence[float | None]:
         prompts, completions = [], []
@@ -137,6 +146,7 @@ class TRLReward(StatefulReward):
             "trainer_state": self.state,
             "log_extra": lambda column, values: extra.setdefault(column, []).extend(values),
             "log_metric": lambda key, value: self.metrics.setdefault(key, []).append(float(value)),
+            **(self.per_sample(trajectories) if self.per_sample is not None else {}),
         }
         out = awaited(self.fn(**accepted(self.fn, kwargs)))
         for column, values in extra.items():

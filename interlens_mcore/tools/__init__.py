@@ -3,7 +3,8 @@
 `with_tools(source, tools)` offers tools to any task source's policy; `load_tools` reads the
 `MODULE:FN,...` form of `--tools`; `examples` holds a calculator and a sandboxed evaluator.
 Tools run in worker processes under `WorkerLimits` (`pool`), or in the trainer's process with
-`isolation="thread"`.
+`isolation="thread"`. `trl_env` trains TRL's `environment_factory` classes, whose methods are
+tools (`--environment-factory`).
 """
 
 from .environment import TOOL_COUNTERS, ToolEnvironment, tool_metrics

@@ -138,7 +138,11 @@ def as_tools(tools: Sequence[Callable[..., object] | Tool]) -> list[Tool]:
 
 
 def load_tools(spec: str | Sequence[str]) -> list[Tool]:
-    """Tools named `MODULE:FN[,MODULE:FN...]` (what `--tools` takes), imported and described."""
+    """Tools named `MODULE:FN[,MODULE:FN...]` (what `--tools` takes), imported and described.
+
+    A name may hold a list (or tuple) of functions, as a TRL user passes `tools=[fn, ...]`:
+    `MODULE:TOOLS` gives each of them.
+    """
     items = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else [s.strip() for s in spec]
     tools: list[Tool] = []
     for item in items:
@@ -151,6 +155,9 @@ def load_tools(spec: str | Sequence[str]) -> list[Tool]:
             fn = getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError) as exc:
             raise ValueError(f"tool {item!r}: cannot import it ({exc})") from exc
+        if isinstance(fn, (list, tuple)):
+            tools += [as_tool(f) for f in fn]  # each importable by its own name, or run in-process
+            continue
         tool = as_tool(fn)
         if tool.reference is None and module != "__main__":  # a callable object, imported by this name
             tool = dataclasses.replace(tool, reference=f"{module}:{attr}")

@@ -37,6 +37,13 @@ class Refusal:
     tested_by: str = ""  # tests/FILE.py::TEST for a refusal that needs a run
 
 
+# a TRL environment class, one without reset, and a dict of one (--environment-factory)
+ENVS = (
+    "class Lamp:\n    def reset(self, **row):\n        return None\n\n    def get_reward(self):\n"
+    "        return 0.0\n\n\nclass Broken:\n    pass\n\n\nBY_NAME = {'lamp': Lamp}\n"
+)
+ENV_ROWS = '{"prompt": "light it", "environment": "lamp"}\n{"prompt": "bake", "environment": "oven"}\n'
+
 SECTIONS: list[tuple[str, list[Refusal]]] = [
     (
         "Options and YAML",
@@ -437,6 +444,25 @@ SECTIONS: list[tuple[str, list[Refusal]]] = [
                 ("--tools", "calculator"),
                 "--tools calculator: tool 'calculator': expected MODULE:FN "
                 "(e.g. interlens_mcore.tools.examples:calculator)",
+            ),
+            Refusal(
+                "--environment-factory without --dataset",
+                ("--environment-factory", "{tmp}/envs.py:Lamp"),
+                "--environment-factory needs --dataset (its rows reach reset(**row))",
+                files=(("envs.py", ENVS),),
+            ),
+            Refusal(
+                "a TRL environment without reset",
+                ("--environment-factory", "{tmp}/envs.py:Broken", "--dataset", "{tmp}/rows.jsonl"),
+                "--environment-factory {tmp}/envs.py:Broken: Broken has no reset(**row) method",
+                files=(("envs.py", ENVS), ("rows.jsonl", ENV_ROWS)),
+            ),
+            Refusal(
+                "a row naming no environment of the dict",
+                ("--environment-factory", "{tmp}/envs.py:BY_NAME", "--dataset", "{tmp}/rows.jsonl"),
+                "dataset '{tmp}/rows.jsonl': a row has environment='oven'; a dict environment_factory picks "
+                "by that column, expected one of ['lamp']",
+                files=(("envs.py", ENVS), ("rows.jsonl", ENV_ROWS)),
             ),
         ],
     ),

@@ -208,9 +208,12 @@ CHAT_WITH_TOOLS = (
 def test_template_preamble_reproduces_the_template(tiny):
     from transformers import AutoTokenizer
 
+    from interlens_mcore.assets.tiny import CHAT_TEMPLATE
+
     tok = AutoTokenizer.from_pretrained(tiny[1].name_or_path)
+    tok.chat_template = CHAT_TEMPLATE  # the tiny tokenizer's first template, which ignores tools=
     schemas = [as_tool(add).schema]
-    assert template_preamble(tok, schemas, "be brief") is None  # the tiny template ignores tools=
+    assert template_preamble(tok, schemas, "be brief") is None
     assert '"name": "add"' in tools_system_text(tok, schemas, "be brief")
     tok.chat_template = CHAT_WITH_TOOLS
     text = template_preamble(tok, schemas, "be brief")
@@ -315,7 +318,8 @@ def test_tiny_model_rollout_with_tools(tiny):
     for c in convs:
         [t] = c.trajectories()
         assert c.infos["tool_calls"] == 0 and c.infos["attempts"] == 1  # a random model calls nothing
-        assert tok.decode(t.token_ids).startswith("<|im_start|>system\nYou may call tools.")
+        # the template's own tools block (`assets.chat_templates`)
+        assert tok.decode(t.token_ids).startswith("<|im_start|>system\nYou can call the functions below.")
         assert sum(t.loss_mask) == len(t.rollout_logprobs) > 0
 
 
