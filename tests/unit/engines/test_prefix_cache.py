@@ -129,7 +129,8 @@ def test_a_tag_keeps_at_most_per_tag_entries_newest_first(tiny):
     model, tok = tiny
     engine = PrefixCachingEngine(model, tok, per_tag=2)
     for first in (50, 60, 70):  # three views that share nothing: none extends another
-        engine.generate([GenerationRequest(prompt_ids=[first, 6, 7], max_new_tokens=1, temperature=0.0, tag="t")])
+        req = GenerationRequest(prompt_ids=[first, 6, 7], max_new_tokens=1, temperature=0.0, tag="t")
+        engine.generate([req])
     assert [e.ids[0] for e in engine._entries["t"]] == [70, 60]  # the oldest went
     assert engine.lookup("t", [60, 6, 7, 8])[1] == 3 and engine.lookup("t", [50, 6, 7])[1] == 0
     with pytest.raises(ValueError, match="per_tag must be >= 1"):
