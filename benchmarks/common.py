@@ -24,17 +24,17 @@ class Feedback(Environment):
 
     name = "env"
 
-    def __init__(self, secret: int):
-        self.secret = secret
+    def __init__(self, secret: int, name: str = "env"):
+        self.secret, self.name = secret, name
 
     def respond(self, conv):
         return f"{self.secret} is higher" if conv.turns_taken % 4 == 1 else "lower"
 
 
-def stop_free_policy(engine, tok, max_new_tokens: int) -> Policy:
+def stop_free_policy(engine, tok, max_new_tokens: int, name: str = "policy") -> Policy:
     """A sampling policy with no stop token, so every turn samples exactly max_new_tokens and
     compared runs do equal work whatever the random model samples."""
-    policy = Policy("policy", engine, tok, SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens))
+    policy = Policy(name, engine, tok, SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens))
     policy.chat = StopFreeChat(tok)
     return policy
 

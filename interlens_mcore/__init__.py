@@ -6,8 +6,9 @@ or DeepSpeed import, so tool workers, plug-in loaders and the command line's `--
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from .lazy import exports
 
 # module (relative to this package) -> the public names it holds
 _EXPORTS: dict[str, tuple[str, ...]] = {
@@ -39,7 +40,6 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     ".rollout.vote": ("RolloutError", "RolloutValueError"),
     ".types": ("Message", "Status", "Trajectory", "TrajectoryInfo", "TurnSpan"),
 }
-_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
 if TYPE_CHECKING:  # what type checkers and editors see: the same names, imported eagerly
     from .chat import ChatFormat
@@ -71,18 +71,7 @@ if TYPE_CHECKING:  # what type checkers and editors see: the same names, importe
     from .types import Message, Status, Trajectory, TrajectoryInfo, TurnSpan
 
 
-def __getattr__(name: str) -> object:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value  # later lookups skip this hook
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_WHERE])
-
+__getattr__, __dir__ = exports(__name__, _EXPORTS, globals())
 
 __all__ = [
     "AnyOf",

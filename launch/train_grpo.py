@@ -131,7 +131,8 @@ def _evaluate_only(trainer, output_dir: str | None) -> int:
         return _refuse(f"--eval-only: task {trainer.tasks.name} has no held-out rows to evaluate")
     line = json.dumps(record.json_ready({"step": trainer.step, **figures}))
     if distributed.rank() == 0:
-        shown = ", ".join(f"{k} {v:.4g}" for k, v in figures.items() if isinstance(v, float))
+        # the counts too: a rate's sample count and the failed samples say what it was taken over
+        shown = ", ".join(f"{k} {v:.4g}" for k, v in figures.items() if isinstance(v, int | float))
         _say(f"eval-only at step {trainer.step} ({trainer.tasks.name}): {shown}")
         print(line, flush=True)
         if output_dir is not None:

@@ -5,6 +5,11 @@ close, the other speakers' messages and a new generation prompt. `PrefixCachingE
 per request tag (the conversation id under `co_step`), the keys and values of every token it
 already fed the model, and on the next call starts the prefill where that prefix ends.
 
+A tag keeps several entries (`per_tag`): the policy seats of one conversation (self-play, two
+trained players on one engine) share its tag but each sees the conversation from its own side,
+so each seat's prompt continues its own last entry, not the other seat's. One entry a tag would
+let the seats evict each other at every turn.
+
 Example::
 
     engine = PrefixCachingEngine(model, tokenizer)
@@ -12,10 +17,10 @@ Example::
     co_step(convs, turns=None)       # turn k encodes only turn k's new tokens
     optimizer.step(); engine.clear()  # cached keys/values belong to the old weights
 
-The cache is checked by content, not trusted by tag: a row reuses the longest common prefix
-of its prompt and the entry stored under its tag (at most all but the last prompt token, which
-must be fed to get the next-token logits). A tag whose history was edited therefore falls back
-to a longer prefill, never to wrong keys. Weights are not checked: call `clear()` after every
+The cache is checked by content, not trusted by tag: a row reuses the longest common prefix of
+its prompt and the entry of its tag that shares the most (at most all but the last prompt token,
+which must be fed to get the next-token logits). A tag whose history was edited therefore falls
+back to a longer prefill, never to wrong keys. Weights are not checked: call `clear()` after every
 optimizer step.
 """
 
@@ -64,7 +69,8 @@ class _Call:
 
 @dataclass
 class PrefixCachingEngine(HFEngine):
-    """`HFEngine` that keeps each tagged row's keys/values between calls (LRU, `max_entries`).
+    """`HFEngine` that keeps each tagged row's keys/values between calls: up to `per_tag` entries
+    a tag (the most recent ones), `max_entries` tags (least recently used dropped first).
 
     Same tokens as `HFEngine` (same left-padded layout, positions and sampling); only the
     prefill forward is shortened. It works by intercepting `HFEngine._forward`: the prefill is
@@ -72,12 +78,15 @@ class PrefixCachingEngine(HFEngine):
     the stored entries.
     """
 
-    max_entries: int = 4096
+    max_entries: int = 4096  # tags
+    per_tag: int = 4  # entries of one tag: one per policy seat of a conversation, and to spare
     reuse: ReuseStats = field(default_factory=ReuseStats)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        if self.per_tag < 1:
+            raise ValueError(f"PrefixCachingEngine.per_tag must be >= 1, got {self.per_tag}")
+        self._entries: OrderedDict[str, list[_Entry]] = OrderedDict()  # tag -> newest first
         self._call: _Call | None = None
 
     def clear(self) -> None:
@@ -119,31 +128,37 @@ class PrefixCachingEngine(HFEngine):
         b, width = ids.shape
         rows = [r[m.bool()].tolist() for r, m in zip(ids.cpu(), mask.cpu())]
         lens = [len(r) for r in rows]
-        reuse = []
-        for tag, row in zip(tags, rows):
-            entry = self._entries.get(tag) if tag else None
-            reuse.append(common_prefix(entry.ids, row, len(row) - 1) if entry else 0)
+        found = [self.lookup(tag, row) for tag, row in zip(tags, rows)]
+        reuse = [n for _, n in found]
         start = width - max(n - k for n, k in zip(lens, reuse))  # [start, width) is recomputed
         self.reuse.reused_tokens += sum(max(0, n - (width - start)) for n in lens)
         self.reuse.prefill_tokens += b * (width - start)
         if start == 0:
             return 0
-        for layer, (k0, v0) in enumerate(self._some_entry_kv(tags, reuse)):
+        # start > 0 implies every row reuses something, so any row's entry gives the shapes
+        some = next(entry for entry, _ in found if entry is not None)
+        for layer, (k0, v0) in enumerate(some.kv):
             shape = (b, k0.shape[0], start, k0.shape[-1])
             keys, values = k0.new_zeros(shape), v0.new_zeros(shape)  # masked columns stay zero
-            for i, (tag, n) in enumerate(zip(tags, lens)):
+            for i, ((entry, _), n) in enumerate(zip(found, lens)):
                 take = n - (width - start)  # this row's real tokens left of `start`
                 if take > 0:
-                    k, v = self._entries[tag].kv[layer]
+                    assert entry is not None, "a row with columns left of start reuses an entry"
+                    k, v = entry.kv[layer]
                     keys[i, :, start - take :] = k[:, :take]
                     values[i, :, start - take :] = v[:, :take]
             cache.update(keys.to(ids.device), values.to(ids.device), layer)
         return start
 
-    def _some_entry_kv(self, tags: list[str], reuse: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        # start > 0 implies every row reuses something, so any row's entry gives the shapes
-        i = next(i for i, k in enumerate(reuse) if k > 0)
-        return self._entries[tags[i]].kv
+    def lookup(self, tag: str, prompt: Sequence[int]) -> tuple[_Entry | None, int]:
+        """The entry of `tag` sharing the longest prefix with `prompt` and that prefix's length
+        (at most all but the prompt's last token); (None, 0) when none shares any."""
+        best: tuple[_Entry | None, int] = (None, 0)
+        for entry in self._entries.get(tag, []) if tag else []:
+            n = common_prefix(entry.ids, prompt, len(prompt) - 1)
+            if n > best[1]:
+                best = (entry, n)
+        return best
 
     def _store(self, call: _Call) -> None:
         """Keep every tagged row's real columns (prompt + all fed sampled ids) for next time."""
@@ -155,10 +170,16 @@ class PrefixCachingEngine(HFEngine):
                 continue
             real = call.mask[i].bool().cpu()  # [T]
             kv = [(k[i][:, real].cpu(), v[i][:, real].cpu()) for k, v in layers]
-            self._entries[tag] = _Entry(ids=call.ids[i][real].tolist(), kv=kv)
-            self._entries.move_to_end(tag)
+            self._keep(tag, _Entry(ids=call.ids[i][real].tolist(), kv=kv))
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
+
+    def _keep(self, tag: str, entry: _Entry) -> None:
+        """Store `entry` first among its tag's; the entries it extends (a seat's earlier turns)
+        go, and the oldest beyond `per_tag`."""
+        old = self._entries.pop(tag, [])
+        kept = [e for e in old if e.ids != entry.ids[: len(e.ids)]]
+        self._entries[tag] = [entry, *kept][: self.per_tag]  # the tag is now the most recent
 
 
 def _layer_kv(layer: object, index: int) -> tuple[torch.Tensor, torch.Tensor]:

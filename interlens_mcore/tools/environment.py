@@ -17,8 +17,9 @@ Where tools run (`isolation`):
 - `"process"` (the default): in worker processes (`pool`), sync and async tools alike, under
   `worker_limits` (CPU time, memory), each call killed at `tool_timeout_s`; calls of one round
   run at once, up to `worker_limits.workers`. No tool can hold the rank: one that spins in C
-  code is killed at its limit while the others finish. Each tool must be importable by name
-  (`Tool.reference`); one that is not is refused here, with the reason.
+  code is killed at its limit while the others finish. Building the environment waits for the
+  workers to start, so their start-up never counts against a step's time limit. Each tool must
+  be importable by name (`Tool.reference`); one that is not is refused here, with the reason.
 - `"thread"`: in this process, one call at a time, each in a daemon thread (an async tool in
   its own event loop there) awaited up to `tool_timeout_s`. For tools that cannot be imported
   (closures); a thread cannot be killed, so a tool that holds the GIL stalls the rank, and one
@@ -107,6 +108,8 @@ class ToolEnvironment(Environment):
         self._pool = (
             start_workers(described, worker_limits or WorkerLimits()) if isolation == "process" else None
         )
+        if self._pool is not None:  # here, not in the first step: start-up is no step's time
+            self._pool.wait_ready()
         self.inner, self.policy, self.parser = inner, policy, parser or HermesParser()
         self.max_calls, self.tool_timeout_s = max_calls, tool_timeout_s
         self.max_result_chars = max_result_chars

@@ -14,6 +14,9 @@ calls one at a time. A pool keeps `workers` of them per trainer process, started
 are first offered (`with_tools`, a `ToolEnvironment`: they import while the trainer loads its
 model) and each replaced when it is killed. The time limit of a call counts from when a ready worker
 receives it, so start-up and imports never count against a tool; `start_timeout_s` bounds them.
+Nor against a step: a `ToolEnvironment` waits for its pool's workers to be ready when it is built
+(`wait_ready`), before any step's clock starts. A worker imports only its tools' modules (this
+package's own tools need no torch), so a fresh one is ready in a fraction of a second.
 
 What crosses the pipe: JSON lines only. A call names its tool as `MODULE:QUALNAME` (the worker
 imports it) with its JSON arguments as the policy wrote them; the answer is `{"ok", "text"}`,
@@ -28,6 +31,7 @@ import atexit
 import json
 import math
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -107,16 +111,40 @@ class _Worker:
 
     async def receive(self, deadline: float | None) -> object:
         while b"\n" not in self.buffer:
-            if len(self.buffer) > _MAX_REPLY_BYTES:
-                raise ValueError(f"an answer longer than {_MAX_REPLY_BYTES} bytes")
-            try:
-                chunk = os.read(self.inp, 1 << 16)
-            except BlockingIOError:
+            if not self._fill():
                 await _io_ready(self.inp, deadline, write=False)
+        return self._line()
+
+    def receive_now(self, deadline: float) -> object:
+        """`receive`, blocking this thread: for waits outside any event loop (`WorkerPool.wait_ready`)."""
+        while b"\n" not in self.buffer:
+            if self._fill():
                 continue
-            if not chunk:
-                raise _Died
-            self.buffer += chunk
+            if not select.select([self.inp], [], [], max(deadline - time.monotonic(), 0.0))[0]:
+                raise TimeoutError
+        return self._line()
+
+    def send_now(self, message: Mapping[str, object]) -> None:
+        """A short message (a `load`), written at once: the pipe's buffer takes it."""
+        try:
+            os.write(self.out, json.dumps(message).encode() + b"\n")
+        except OSError as exc:  # BrokenPipeError among them; a full pipe (BlockingIOError) too
+            raise _Died from exc
+
+    def _fill(self) -> bool:
+        """Read what the pipe holds into the buffer; False when it holds nothing yet."""
+        if len(self.buffer) > _MAX_REPLY_BYTES:
+            raise ValueError(f"an answer longer than {_MAX_REPLY_BYTES} bytes")
+        try:
+            chunk = os.read(self.inp, 1 << 16)
+        except BlockingIOError:
+            return False
+        if not chunk:
+            raise _Died
+        self.buffer += chunk
+        return True
+
+    def _line(self) -> object:
         line, _, rest = bytes(self.buffer).partition(b"\n")
         self.buffer = bytearray(rest)
         return json.loads(line)
@@ -197,6 +225,39 @@ class WorkerPool:
             self._modules.update(modules)
             if not self._closed and not self._idle and not self._busy:
                 self._idle.extend(_Worker(self._modules) for _ in range(self.limits.workers))
+
+    def wait_ready(self) -> None:
+        """Wait (blocking, up to `limits.start_timeout_s`) until every idle worker has started and
+        imported every module `prepare` named.
+
+        A `ToolEnvironment` calls it when it is built, before any step's clock starts: a cold
+        worker takes a few seconds to start on a loaded machine, which would otherwise count
+        against the first round's step time limit. A worker that does not come up in time, or
+        dies, is replaced; a module that fails to import is left for the call to report.
+        """
+        with self._lock:
+            modules = set(self._modules)
+            todo = [w for w in self._idle if not w.ready or not modules <= w.modules]
+            for w in todo:  # held as busy meanwhile: no call takes a worker that is half ready
+                self._idle.remove(w)
+                self._busy.add(w)
+        deadline = time.monotonic() + self.limits.start_timeout_s
+        for w in todo:
+            self._release(w, self._greet(w, modules, deadline))
+
+    def _greet(self, worker: _Worker, modules: set[str], deadline: float) -> bool:
+        """Bring `worker` to ready with `modules` imported (blocking); False if it is unusable."""
+        try:
+            if not worker.ready:
+                worker.modules, worker.ready = _loaded(worker.receive_now(deadline)), True
+            for module in sorted(modules - worker.modules):
+                worker.send_now({"load": module})
+                ok, _ = _checked(worker.receive_now(deadline))
+                if ok:
+                    worker.modules.add(module)
+        except (TimeoutError, _Died, ValueError, KeyError, TypeError, RecursionError):
+            return False
+        return True
 
     async def call(
         self,

@@ -17,7 +17,8 @@ allocation past it raises MemoryError, which the tool reports); both are lifted 
 ends, so imports and idle time never count. Whatever the tool raises, `BaseException`s such as
 `SystemExit` and `KeyboardInterrupt` included, and whatever making its result's text raises,
 becomes the answer's text. The worker's own stdin and stdout carry only the protocol: a tool
-that reads stdin reads nothing, what it prints goes to stderr.
+that reads stdin reads nothing, what it prints goes to stderr. A worker whose trainer's end of
+the pipe is gone (the trainer exited, or gave up on it before it was ready) exits quietly.
 
 The functions above `main` also serve tools run in the trainer's process (`environment`).
 """
@@ -209,7 +210,13 @@ def main() -> None:
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.dup2(2, 1)
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
-    _Worker(requests, replies).serve()
+    try:
+        _Worker(requests, replies).serve()
+    except BrokenPipeError:
+        # the trainer's end is gone (it exited, or gave up on this worker before it was ready):
+        # nobody reads an answer, and a traceback would only clutter the trainer's terminal.
+        # os._exit: a normal exit would flush the broken pipe once more and print about it
+        os._exit(0)
 
 
 if __name__ == "__main__":

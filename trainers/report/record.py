@@ -8,6 +8,7 @@ Each sample is read through `samples.facts_of`.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,7 @@ from interlens_mcore import distributed
 from interlens_mcore.rollout.rollouter import Rollout
 from interlens_mcore.types import Status, Trajectory
 
+from .failures import cause_of
 from .samples import facts_of, sample_figures
 
 if TYPE_CHECKING:
@@ -104,10 +106,20 @@ def evaluation_figures(rollout: Rollout) -> dict[str, float]:
     each rate the environments reported (`sample_rates`) as `eval/rate/<name>`. Every rate comes
     with its sample count and 95 % Wilson interval (`..._n`, `..._low`, `..._high`).
 
+    Failed samples (status FAILED: a scheduler, environment or tool raised for them) are in none
+    of those figures, as they are in no loss: a failure is not a miss. They are counted instead:
+    `eval/samples` (every sample played), `eval/failed_samples` and `eval/failed/<cause>`, so a
+    rate's `_n` and the failed count say together why it was taken over fewer samples. Every
+    task source's evaluation comes through here, whichever driver played it.
+
     Collective over the world: every rank evaluates its own rows.
     """
     mine: dict[str, list[float]] = {}
+    failed: list[str] = []  # the cause of each failed sample
     for t, reward in zip(rollout.trajectories, rollout.scored_rewards(), strict=True):
+        if t.status is Status.FAILED:
+            failed.append(cause_of(t.infos.stop_reason))
+            continue
         f = facts_of(t, reward)
         for key, value in sample_rates(t).items():
             mine.setdefault(key, []).append(value)
@@ -118,11 +130,17 @@ def evaluation_figures(rollout: Rollout) -> dict[str, float]:
             if f.win is not None:
                 mine.setdefault(f"win_rate/{f.seat}", []).append(f.win)
     merged: dict[str, list[float]] = {}
-    for part in distributed.all_gather_object(mine):
+    causes: Counter[str] = Counter()
+    samples = 0
+    for part, n, part_failed in distributed.all_gather_object((mine, len(rollout.trajectories), failed)):
         for key, values in part.items():
             merged.setdefault(key, []).extend(values)
+        samples += n
+        causes.update(part_failed)
     # every merged list holds at least one value
     figures: dict[str, float] = {f"eval/{k}": sum(v) / len(v) for k, v in sorted(merged.items())}
+    figures.update({"eval/samples": samples, "eval/failed_samples": sum(causes.values())})
+    figures.update({f"eval/failed/{c}": n for c, n in sorted(causes.items())})
     if merged.get("success_rate"):
         n = len(merged["success_rate"])
         low, high = wilson_interval(figures["eval/success_rate"], n)

@@ -144,8 +144,10 @@ class Reporter:
         if "reward_mean" in record and self.bar is not None:
             kl = "kl_in_reward/kl" if "kl_in_reward/kl" in record else "kl"  # where the KL is
             shown = {"reward": ("reward_mean", 3), "kl": (kl, 4), "is_w": ("is/weight_mean", 3)}
-            shown.update({"eval": ("eval/success_rate", 2)} if "eval/success_rate" in record else {})
-            self.bar.set_postfix({name: fmt(record.get(k), d) for name, (k, d) in shown.items()})
+            postfix = {name: fmt(record.get(k), d) for name, (k, d) in shown.items()}
+            if "eval/samples" in record or "eval/success_rate" in record:
+                postfix["eval"] = evaluated(record, 2)
+            self.bar.set_postfix(postfix)
             self.bar.update(1)
 
     def note(self, text: str) -> None:
@@ -210,25 +212,32 @@ class Reporter:
 
 
 def summary(records: list[dict], *, out: Path, steps: int, wall_s: float) -> str:
-    """`done: N steps in T; reward first/last 10 %: a -> b; eval/success_rate: c -> d; outputs in DIR`."""
+    """`done: N steps in T; reward first/last 10 %: a -> b; eval/success_rate: c -> d; outputs in DIR`,
+    each evaluation's rate with its interval, its sample count and its failed samples (`evaluated`)."""
     train = [r["reward_mean"] for r in records if r.get("reward_mean") is not None]
     parts = [f"done: {steps} steps in {_duration(wall_s)} (this process)"]
     if train:
         k = max(1, len(train) // 10)
         parts.append(f"reward_mean first/last 10 %: {_mean(train[:k]):.3f} -> {_mean(train[-k:]):.3f}")
-    evals = [r for r in records if r.get("eval/success_rate") is not None]
+    evals = [r for r in records if r.get("eval/success_rate") is not None or r.get("eval/failed_samples")]
     if evals:
-        first, last = (_with_interval(r) for r in (evals[0], evals[-1]))
+        first, last = (evaluated(r, 3, interval=True) for r in (evals[0], evals[-1]))
         parts.append(f"eval/success_rate: {first} -> {last}")
     parts.append(f"outputs in {out}")
     return "; ".join(parts)
 
 
-def _with_interval(record: dict) -> str:
-    text = f"{record['eval/success_rate']:.3f}"
-    if record.get("eval/success_low") is not None:
-        low, high, n = record["eval/success_low"], record["eval/success_high"], record["eval/success_n"]
-        text += f" [{low:.3f}, {high:.3f}] of {n}"
+def evaluated(record: dict, digits: int, *, interval: bool = False) -> str:
+    """An evaluation's success rate with what it was taken over: `0.500 [0.337, 0.663] of 28, 4 of
+    32 failed` (the interval only with `interval`; the failures only when some sample failed)."""
+    rate = record.get("eval/success_rate")
+    text = fmt(rate, digits)
+    if rate is not None and interval and record.get("eval/success_low") is not None:
+        text += f" [{record['eval/success_low']:.3f}, {record['eval/success_high']:.3f}]"
+    if rate is not None and record.get("eval/success_n") is not None:
+        text += f" of {record['eval/success_n']}"
+    if record.get("eval/failed_samples"):
+        text += f", {record['eval/failed_samples']} of {record['eval/samples']} failed"
     return text
 
 

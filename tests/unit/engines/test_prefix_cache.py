@@ -93,3 +93,45 @@ def test_clear_and_lru_bound(tiny):
     engine.reuse.reset()
     engine.generate([GenerationRequest(prompt_ids=[5, 6, 7, 8], max_new_tokens=1, temperature=0.0, tag="b")])
     assert engine.reuse.reused_tokens == 0
+
+
+def test_two_seats_of_one_conversation_keep_their_own_entries(tiny):
+    """Self-play: seats A and B share the conversation's tag, each prompt from its own side. Each
+    seat's second turn continues its own first one, whichever seat spoke last."""
+    model, tok = tiny
+    engine = PrefixCachingEngine(model, tok)
+    opening = list(range(5, 15))
+    side_a, side_b = opening + [40] * 8, opening + [60] * 8  # the views part after the opening
+
+    def turn(prompt):
+        req = GenerationRequest(prompt_ids=prompt, max_new_tokens=3, temperature=0.0, tag="duel")
+        return prompt + engine.generate([req])[0].token_ids
+
+    fed_a = turn(side_a)
+    fed_b = turn(side_b)  # B's first turn: only the opening is A's too
+    assert engine.reuse.reused_tokens == len(opening)
+    engine.reuse.reset()
+    # turn 2 of each: its own fed tokens (all but the last sampled id, which was never fed:
+    # decoding stops after sampling it), then what the other side said
+    next_a, next_b = fed_a + [41, 42], fed_b + [61, 62]
+    got_a, got_b = turn(next_a), turn(next_b)
+    assert engine.reuse.reused_tokens == (len(fed_a) - 1) + (len(fed_b) - 1)
+    # the entry a later turn extends is replaced: one entry a seat
+    assert [len(e.ids) for e in engine._entries["duel"]] == [len(got_b) - 1, len(got_a) - 1]
+    # the same tokens as prefilling everything
+    plain = HFEngine(model, tok)
+    for prompt, got in ((next_a, got_a), (next_b, got_b)):
+        req = GenerationRequest(prompt_ids=prompt, max_new_tokens=3, temperature=0.0)
+        assert prompt + plain.generate([req])[0].token_ids == got
+
+
+def test_a_tag_keeps_at_most_per_tag_entries_newest_first(tiny):
+    model, tok = tiny
+    engine = PrefixCachingEngine(model, tok, per_tag=2)
+    for first in (50, 60, 70):  # three views that share nothing: none extends another
+        req = GenerationRequest(prompt_ids=[first, 6, 7], max_new_tokens=1, temperature=0.0, tag="t")
+        engine.generate([req])
+    assert [e.ids[0] for e in engine._entries["t"]] == [70, 60]  # the oldest went
+    assert engine.lookup("t", [60, 6, 7, 8])[1] == 3 and engine.lookup("t", [50, 6, 7])[1] == 0
+    with pytest.raises(ValueError, match="per_tag must be >= 1"):
+        PrefixCachingEngine(model, tok, per_tag=0)

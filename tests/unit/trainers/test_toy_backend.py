@@ -2,19 +2,23 @@
 
 The block is written out as a module, registered in `registry.BACKENDS` as the page says, and
 built through `build_backend` from a `BackendConfig` naming it: the same path `--backend` takes.
+Being the cheapest whole trainer, it also runs the loop's own checks in one process: the learning
+rate schedule, and evaluation with an environment that fails on some held-out samples.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoTokenizer
 
-from interlens_mcore import distributed
+from interlens_mcore import Environment, distributed
 from interlens_mcore.grpo.loss.config import LossConfig
 from interlens_mcore.grpo.rewards import environment_reward
 from interlens_mcore.rollout.rollouter import RolloutConfig
@@ -135,3 +139,82 @@ def test_the_loop_sets_the_scheduled_lr_and_accumulates_micro_batches(toy, tiny_
     assert seen == pytest.approx([1e-3, 2e-3])  # what the optimizer stepped with
     written = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["learning_rate"] for r in written] == pytest.approx([1e-3, 2e-3])
+
+
+class FallsOver(Environment):
+    """The game master of a held-out game, raising on one sample in three (by the sample's id)."""
+
+    def __init__(self, inner: Environment, raised: list[str]):
+        self.inner, self.raised, self.name = inner, raised, inner.name
+
+    def respond(self, conv):
+        if zlib.crc32(conv.id.encode()) % 3 == 0:
+            self.raised.append(conv.id)
+            raise RuntimeError("the game master fell over")
+        return self.inner.respond(conv)
+
+    def reward(self, conv):
+        return self.inner.reward(conv)
+
+
+@dataclass(frozen=True)
+class FlakyGame:
+    inner: object  # a GuessNumberTask
+    raised: list[str]
+
+    @property
+    def max_turns(self) -> int:
+        return self.inner.max_turns
+
+    def prompt(self):
+        return self.inner.prompt()
+
+    def lineup(self, seat):
+        policy, master = self.inner.lineup(seat)
+        return [policy, FallsOver(master, self.raised)]
+
+
+class FlakyEvaluation(GuessTasks):
+    """Guess-a-number whose held-out games fail on one sample in three; training never fails."""
+
+    def __init__(self):
+        super().__init__()
+        self.raised: list[str] = []  # the ids of the samples that failed, in order
+
+    def eval_rows(self, n, *, seed):
+        return [FlakyGame(row, self.raised) for row in super().eval_rows(n, seed=seed)]
+
+
+def test_failed_evaluation_samples_are_counted_in_metrics_the_bar_and_the_done_line(
+    toy, tiny_path, tmp_path, capsys
+):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    config = TrainerConfig(steps=1, batch_size=4, eval_every=1, eval_size=8, output_dir=str(tmp_path / "run"))
+    backend, groups = _toy(config, tiny_path, tokenizer, micro_batch_size=0)
+    tasks = FlakyEvaluation()
+    trainer = GRPOTrainer(
+        backend=backend,
+        tasks=tasks,
+        groups=groups,
+        tokenizer=tokenizer,
+        config=config,
+        rollout_config=RolloutConfig(num_generations=2, max_new_tokens=4),
+        loss_config=LossConfig(beta=0.0),
+        rewards=[environment_reward],
+    )
+    trainer.train()
+    written = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in written if "eval/samples" in r]  # step 0's, and the end's (step 1)
+    assert [r["step"] for r in evals] == [0, 1]
+    # the ids are eval<step>-r0-p<row>-g0; crc32 % 3 picks rows 2 and 6 at step 0, 3 and 5 at 1
+    failed = [sum(i.startswith(f"eval{s}-") for i in tasks.raised) for s in (0, 1)]
+    assert failed == [2, 2]
+    for r, n in zip(evals, failed, strict=True):
+        assert r["eval/samples"] == 8 and r["eval/failed_samples"] == n == r["eval/failed/environment"]
+        # the rate is over the games that were played out, each of which says how it went
+        assert r["eval/success_n"] == 8 - n
+    err = capsys.readouterr().err
+    rate = evals[0]["eval/success_rate"]
+    assert f"eval={rate:.2f} of 6, 2 of 8 failed" in err  # the progress bar, after step 0
+    (done,) = [line for line in err.splitlines() if line.startswith("done:")]
+    assert "eval/success_rate: " in done and done.count("of 6, 2 of 8 failed") == 2, done
