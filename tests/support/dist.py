@@ -56,9 +56,17 @@ def _worker(rank, world_size, port, fn, args, queue, environ, path):
 PRELOAD = ["torch.distributed", "megatron.core", "deepspeed", "transformers", "support.dist"]
 
 
+def cold() -> bool:
+    """INTERLENS_TESTS_COLD=1: every process the tests start imports everything itself, as a
+    user's does (spawned ranks, the real torchrun); the vLLM stage runs so."""
+    return os.environ.get("INTERLENS_TESTS_COLD") == "1"
+
+
 def _context():
     """A fork server with the training stack imported: each rank is a fresh fork of a process that
     has started no thread and opened no process group, so it is as clean as a spawned one."""
+    if cold():
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx

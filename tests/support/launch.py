@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from support.dist import free_port
+from support.dist import cold, free_port
 from support.warm import WarmLauncher, differs_at_import
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,7 +80,7 @@ def torchrun(
     import time. `warm=False`: the real torchrun, for a test that reads torchrun's own output or
     needs its agent (restarts, signals)."""
     environ = env(**extra_env)
-    if warm and os.environ.get("INTERLENS_TORCHRUN") != "real":
+    if warm and not cold():
         launcher = _warm_launcher()
         if not differs_at_import(environ, launcher.environ):
             done = launcher.run(script, list(args), nproc, environ, cwd, timeout)
@@ -148,7 +148,7 @@ def python(
 ) -> subprocess.CompletedProcess:
     """`python launch/train_grpo.py ARGS` (one process, no process group), warm as `torchrun`."""
     environ = env(**extra_env)
-    if warm and os.environ.get("INTERLENS_TORCHRUN") != "real":
+    if warm and not cold():
         launcher = _warm_launcher()
         if not differs_at_import(environ, launcher.environ):
             done = launcher.run(TRAIN, list(args), 1, environ, ROOT, timeout, torchrun=False)

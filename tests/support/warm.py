@@ -12,7 +12,8 @@ process that has started no thread, opened no process group and read no file of 
 What it does not reproduce is torchrun's own output (its failure summary) and its agent
 (restarts, signal forwarding): `support.launch.torchrun(..., warm=False)` runs the real torchrun,
 and so does any run whose environment differs from the server's in a variable read at import time.
-`INTERLENS_TORCHRUN=real` sends every run to the real torchrun.
+`INTERLENS_TESTS_COLD=1` sends every run to the real torchrun (and support.dist spawns its
+ranks), as a user's runs start.
 """
 
 from __future__ import annotations
@@ -181,7 +182,10 @@ def _serve_one(req: dict) -> dict:
 def serve() -> None:
     """Read one JSON request a line on stdin, answer one JSON line on stdout, until stdin closes."""
     for name in PRELOAD:
-        __import__(name)
+        try:
+            __import__(name)
+        except ImportError:  # an environment without it (the vLLM stage's has no DeepSpeed ops)
+            pass
     print(json.dumps({"ready": True, "pid": os.getpid()}), flush=True)
     for line in sys.stdin:
         print(json.dumps(_serve_one(json.loads(line))), flush=True)
