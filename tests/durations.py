@@ -71,6 +71,21 @@ def read_report(path: Path) -> list[Case]:
     return cases
 
 
+def read_verbose_log(path: Path) -> list[Case]:
+    """The tests of a `pytest -v` log whose lines carry a leading Unix time (`TIME LINE`), each
+    timed from the line before it: a run stopped part way still tells what it had measured."""
+    cases, last = [], None
+    for line in path.read_text().splitlines():
+        stamp, _, rest = line.partition(" ")
+        found = re.match(r"(tests/\S+::\S.*?) (PASSED|FAILED|ERROR|SKIPPED)", rest)
+        if found and last is not None:
+            outcome = {"PASSED": "passed", "SKIPPED": "skipped"}.get(found.group(2), "failed")
+            cases.append(Case(found.group(1), float(stamp) - last, None, outcome))
+        if found or "test session starts" in rest or rest.startswith("collected"):
+            last = float(stamp)
+    return cases
+
+
 def startup_seconds(repeats: int = 3) -> float:
     """Median wall time of a 2-rank torchrun whose ranks import the training stack and exit."""
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
@@ -153,11 +168,18 @@ def main() -> None:
     parser.add_argument(
         "--xml", type=Path, help="a finished run's junit XML report: write from it, run nothing"
     )
-    parser.add_argument("--loads", default="", help="with --xml: the load averages of that run, as recorded")
+    parser.add_argument(
+        "--log",
+        type=Path,
+        help="a time-stamped `pytest -v` log (see read_verbose_log): write from it, run nothing",
+    )
+    parser.add_argument("--loads", default="", help="with --xml or --log: the load averages of that run")
     args = parser.parse_args()
     wall = None
     loads = args.loads
-    if args.xml is None:
+    if args.log is not None:
+        cases = read_verbose_log(args.log)
+    elif args.xml is None:
         args.xml = Path(tempfile.mkdtemp()) / "report.xml"
         before = os.getloadavg()[0]
         start = time.perf_counter()
@@ -165,7 +187,9 @@ def main() -> None:
         subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, INTERLENS_COUNT_LAUNCHES="1"))
         wall = time.perf_counter() - start
         loads = f"{before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
-    body = section(args.label, read_report(args.xml), wall, startup_seconds(), loads or "not recorded")
+    if args.log is None:
+        cases = read_report(args.xml)
+    body = section(args.label, cases, wall, startup_seconds(), loads or "not recorded")
     write(args.label, body)
     print(body)
 
