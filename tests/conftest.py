@@ -48,3 +48,38 @@ def smollm2_path():
     from interlens_mcore.assets import ensure_smollm2
 
     return ensure_smollm2()
+
+
+# `python tests/durations.py` sets this: each test's report then carries how many processes it
+# started (subprocess.Popen, torchrun's launcher among them, and multiprocessing's spawned ranks),
+# which is how tests/DURATIONS.md tells start-up cost apart from work
+if os.environ.get("INTERLENS_COUNT_LAUNCHES") == "1":
+    import multiprocessing.process
+    import subprocess
+
+    _launches = [0]
+    _LAUNCHES_BEFORE = pytest.StashKey[int]()
+    _popen_init = subprocess.Popen.__init__
+    _process_start = multiprocessing.process.BaseProcess.start
+
+    def _counted_popen(self, *args, **kwargs):
+        _launches[0] += 1
+        _popen_init(self, *args, **kwargs)
+
+    def _counted_start(self):
+        _launches[0] += 1
+        _process_start(self)
+
+    subprocess.Popen.__init__ = _counted_popen  # type: ignore[method-assign]
+    multiprocessing.process.BaseProcess.start = _counted_start  # type: ignore[method-assign]
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(item):
+        item.stash[_LAUNCHES_BEFORE] = _launches[0]
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(item, call):
+        # the teardown report is the last one junitxml reads properties from
+        if call.when == "teardown":
+            item.user_properties.append(("launches", _launches[0] - item.stash.get(_LAUNCHES_BEFORE, 0)))
+        yield

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import traceback
 
 import torch.multiprocessing as mp
@@ -15,12 +16,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, queue):
+def _worker(rank, world_size, port, fn, args, queue, environ, path):
     import datetime
 
     import torch
     import torch.distributed as dist
 
+    # as a spawned process would: the caller's environment and import path of now, not the fork
+    # server's of when it started
+    os.environ.clear()
+    os.environ.update(environ)
+    sys.path[:] = path
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -45,6 +51,27 @@ def _worker(rank, world_size, port, fn, args, queue):
                 pass
 
 
+# what every rank's function needs first; the fork server imports it once per test session, so a
+# rank starts in a fraction of a second instead of importing torch and megatron-core again
+PRELOAD = ["torch.distributed", "megatron.core", "deepspeed", "transformers", "support.dist"]
+
+
+def cold() -> bool:
+    """INTERLENS_TESTS_COLD=1: every process the tests start imports everything itself, as a
+    user's does (spawned ranks, the real torchrun); the vLLM stage runs so."""
+    return os.environ.get("INTERLENS_TESTS_COLD") == "1"
+
+
+def _context():
+    """A fork server with the training stack imported: each rank is a fresh fork of a process that
+    has started no thread and opened no process group, so it is as clean as a spawned one."""
+    if cold():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def run_ranks(fn, world_size: int = 2, *args, timeout: float = 120.0, expect_errors: bool = False):
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return results by rank.
 
@@ -52,11 +79,15 @@ def run_ranks(fn, world_size: int = 2, *args, timeout: float = 120.0, expect_err
     not reported within `timeout` seconds (the processes are killed), RuntimeError if a rank
     raised, unless `expect_errors`, in which case {rank: ("ok"|"error", payload)} is returned.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=True)
+        ctx.Process(
+            target=_worker,
+            args=(r, world_size, port, fn, args, queue, dict(os.environ), list(sys.path)),
+            daemon=True,
+        )
         for r in range(world_size)
     ]
     for p in procs:

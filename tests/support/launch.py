@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -9,7 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from support.dist import free_port
+from support.dist import cold, free_port
+from support.warm import WarmLauncher, differs_at_import
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "launch" / "train_grpo.py"
@@ -51,10 +53,39 @@ def kill_all(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
+_warm: list[WarmLauncher] = []
+
+
+def _warm_launcher() -> WarmLauncher:
+    """This session's warm launcher (support.warm), started on first use."""
+    if not _warm:
+        _warm.append(WarmLauncher(env(), ROOT))
+        atexit.register(_warm[0].close)
+    return _warm[0]
+
+
 def torchrun(
-    *args: str, nproc: int = 2, timeout: float = 240, script: Path = TRAIN, cwd: Path = ROOT, **extra_env: str
+    *args: str,
+    nproc: int = 2,
+    timeout: float = 240,
+    script: Path = TRAIN,
+    cwd: Path = ROOT,
+    warm: bool = True,
+    **extra_env: str,
 ) -> subprocess.CompletedProcess:
-    """Run to completion; on timeout kill torchrun *and* its workers, which would outlive it."""
+    """Run to completion; on timeout kill torchrun *and* its workers, which would outlive it.
+
+    `warm` (the default): the ranks are forked from support.warm's server, which has the training
+    stack imported, unless the run's environment differs from the server's in a variable read at
+    import time. `warm=False`: the real torchrun, for a test that reads torchrun's own output or
+    needs its agent (restarts, signals)."""
+    environ = env(**extra_env)
+    if warm and not cold():
+        launcher = _warm_launcher()
+        if not differs_at_import(environ, launcher.environ):
+            done = launcher.run(script, list(args), nproc, environ, cwd, timeout)
+            if done is not None:
+                return done
     cmd = [
         sys.executable,
         "-m",
@@ -68,7 +99,7 @@ def torchrun(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=env(**extra_env),
+        env=environ,
         cwd=cwd,
     )
     try:
@@ -112,11 +143,19 @@ def nodes(
     return done
 
 
-def python(*args: str, timeout: float = 120, **extra_env: str) -> subprocess.CompletedProcess:
+def python(
+    *args: str, timeout: float = 120, warm: bool = True, **extra_env: str
+) -> subprocess.CompletedProcess:
+    """`python launch/train_grpo.py ARGS` (one process, no process group), warm as `torchrun`."""
+    environ = env(**extra_env)
+    if warm and not cold():
+        launcher = _warm_launcher()
+        if not differs_at_import(environ, launcher.environ):
+            done = launcher.run(TRAIN, list(args), 1, environ, ROOT, timeout, torchrun=False)
+            if done is not None:
+                return done
     cmd = [sys.executable, str(TRAIN), *args]
-    return subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout, env=env(**extra_env), cwd=ROOT
-    )
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=environ, cwd=ROOT)
 
 
 def metrics(out: Path) -> list[dict]:
