@@ -4,8 +4,10 @@ Each row becomes `num_generations` samples on this rank. A row that lays out a l
 `Task`) runs through `co_step`; rows of a task source with a `MultiTurnScheduler` run through
 `run_multi_turn`. Either way every trajectory leaves with what scoring needs in `infos`:
 `env_reward` (the environments' or the scheduler's own reward for its seat), `completion`
-(the seat's last message), `messages` (the transcript as the seat saw it) and, where the task
-reports one, `success`.
+(the seat's last message), `messages` (the whole transcript as the seat saw it: the row's
+opening messages, then the conversation; `opening` says how many open it) and, where the task
+reports one, `success`. What reward functions read of these is built in one place,
+`rewards.inputs.reward_inputs`.
 
 Every path expands rows the same way (`expand_rows`): a sample's group, index, id and seed
 depend only on (seed, step, rank, row, sample), so a resumed run replays the same samples, and
@@ -615,10 +617,15 @@ def describe(t: Trajectory, conv: Conversation, sample: Sample[object] | None = 
     info.env_reward = float(sum(scores)) if scores else None
     own = [m.content for m in conv.messages if m.speaker == seat]
     info.completion = own[-1] if own else ""
-    info.messages = [  # the committed messages; the opening ones are the row's prompt()
+    # the whole transcript: the row's prompt() (what reward functions see as the prompt), then
+    # every committed message, the seat's own as the assistant's
+    info.messages = [
+        {"role": m.role, "name": m.speaker, "content": m.content} for m in conv.prompt
+    ] + [
         {"role": "assistant" if m.speaker == seat else m.role, "name": m.speaker, "content": m.content}
         for m in conv.messages
     ]
+    info.opening = len(conv.prompt)
     outcome = conv.infos.get("outcome")
     if isinstance(outcome, dict):
         info.outcome = {str(k): float(v) for k, v in outcome.items()}
