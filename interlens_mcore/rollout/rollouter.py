@@ -618,14 +618,15 @@ def describe(t: Trajectory, conv: Conversation, sample: Sample[object] | None = 
     own = [m.content for m in conv.messages if m.speaker == seat]
     info.completion = own[-1] if own else ""
     # the whole transcript: the row's prompt() (what reward functions see as the prompt), then
-    # every committed message, the seat's own as the assistant's
-    info.messages = [
-        {"role": m.role, "name": m.speaker, "content": m.content} for m in conv.prompt
-    ] + [
-        {"role": "assistant" if m.speaker == seat else m.role, "name": m.speaker, "content": m.content}
-        for m in conv.messages
+    # every committed message under the role the seat's view rendered it with (its own as the
+    # assistant's, another seat's as a user's)
+    info.messages = [{"role": m.role, "name": m.speaker, "content": m.content} for m in conv.prompt] + [
+        {"role": _role_seen(m, seat), "name": m.speaker, "content": m.content} for m in conv.messages
     ]
-    info.opening = len(conv.prompt)
+    # a row that opens with nothing (a game whose environment speaks first) is prompted by what
+    # was said before the seat's first message
+    first = next((i for i, m in enumerate(conv.messages) if m.speaker == seat), len(conv.messages))
+    info.opening = len(conv.prompt) or first
     outcome = conv.infos.get("outcome")
     if isinstance(outcome, dict):
         info.outcome = {str(k): float(v) for k, v in outcome.items()}
@@ -633,6 +634,11 @@ def describe(t: Trajectory, conv: Conversation, sample: Sample[object] | None = 
         info.success = float(outcome[seat])
     elif conv.infos.get("success") is not None:
         info.success = float(conv.infos["success"])
+
+
+def _role_seen(m: Message, seat: str) -> str:
+    """The role `seat`'s view renders `m` with (`Conversation._append_to_view`)."""
+    return "assistant" if m.speaker == seat else "user" if m.role == "assistant" else m.role
 
 
 def rollout_advantages(
