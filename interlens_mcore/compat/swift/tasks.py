@@ -48,6 +48,7 @@ class SwiftTaskSource(TaskSource):
         max_turns: int | None = None,
         train_turns: TrainTurns = "all",
         name: str | None = None,
+        success_threshold: float = 1.0,
     ):
         if not isinstance(scheduler, MultiTurnScheduler):
             raise ValueError(f"SwiftTaskSource needs a compat.swift.MultiTurnScheduler, got {scheduler!r}")
@@ -62,6 +63,9 @@ class SwiftTaskSource(TaskSource):
         self._scheduler, self.dataset, self.eval_dataset = scheduler, list(dataset), list(eval_dataset)
         self.reward_key, self.max_turns, self.train_turns = reward_key, max_turns, train_turns
         self.name = name or self.name
+        # ms-swift schedulers report a reward, not whether a sample succeeded: as for a dataset
+        # row, a sample succeeds when its reward reaches this (1.0: the usual right answer)
+        self.success_threshold = success_threshold
 
     @classmethod
     def from_spec(
@@ -102,6 +106,14 @@ class SwiftTaskSource(TaskSource):
 
     def scheduler(self) -> MultiTurnScheduler:
         return self._scheduler
+
+    def success_of(self, trajectory: Trajectory) -> float | None:
+        """Whether the sample's reward reached `success_threshold` (a success set on the
+        trajectory comes first): what `success_rate` and `eval/success_rate` count."""
+        if trajectory.infos.success is not None:
+            return trajectory.infos.success
+        reward = trajectory.reward  # set by the trainer before it asks
+        return None if reward is None else float(reward >= self.success_threshold)
 
     def describe(self) -> dict[str, object]:
         return {
