@@ -28,6 +28,7 @@ from ...rollout.rollouter import Rollout, Rollouter, RolloutPlan
 from ...rollout.vote import GatherFn, local_gather
 from ...tasks.base import TaskSource
 from .driver import rollout_trajectories, run_requests, sample_requests
+from .foreign import as_ours
 from .plugins import build_scheduler, load_plugins, resolve_gym_env, resolve_scheduler
 from .scheduler import MultiTurnScheduler
 from .types import TrainTurns
@@ -40,7 +41,7 @@ class SwiftTaskSource(TaskSource):
 
     def __init__(
         self,
-        scheduler: MultiTurnScheduler,
+        scheduler: MultiTurnScheduler | object,  # or one on ms-swift's own base classes
         dataset: Sequence[dict[str, object]],
         *,
         eval_dataset: Sequence[dict[str, object]] = (),
@@ -50,8 +51,7 @@ class SwiftTaskSource(TaskSource):
         name: str | None = None,
         success_threshold: float = 1.0,
     ):
-        if not isinstance(scheduler, MultiTurnScheduler):
-            raise ValueError(f"SwiftTaskSource needs a compat.swift.MultiTurnScheduler, got {scheduler!r}")
+        ours = as_ours(scheduler, "SwiftTaskSource")
         for label, rows in (("dataset", dataset), ("eval_dataset", eval_dataset)):
             bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict)), None)
             if bad is not None:
@@ -60,7 +60,7 @@ class SwiftTaskSource(TaskSource):
             raise ValueError("SwiftTaskSource needs a non-empty dataset")
         if train_turns not in get_args(TrainTurns):
             raise ValueError(f"train_turns must be one of {get_args(TrainTurns)}, got {train_turns!r}")
-        self._scheduler, self.dataset, self.eval_dataset = scheduler, list(dataset), list(eval_dataset)
+        self._scheduler, self.dataset, self.eval_dataset = ours, list(dataset), list(eval_dataset)
         self.reward_key, self.max_turns, self.train_turns = reward_key, max_turns, train_turns
         self.name = name or self.name
         # ms-swift schedulers report a reward, not whether a sample succeeded: as for a dataset
