@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from numbers import Real
 from typing import Any, Protocol
 
+from ..rollout.outcome import failure_reason
 from ..types import Status, Trajectory
 
 
@@ -157,7 +158,7 @@ def checked(fn: object, returned: object, trajectories: Sequence[Trajectory]) ->
 def mark_failed(t: Trajectory, name: str, exc: BaseException) -> None:
     """The shared contract: FAILED, with the cause starting with what failed."""
     t.status = Status.FAILED
-    t.infos.stop_reason = f"reward {name}: {type(exc).__name__}: {exc}"
+    t.infos.stop_reason = failure_reason(f"reward {name}", exc)
 
 
 def collective(fn: object) -> bool:
