@@ -74,7 +74,9 @@ class RewardInputs:
 
 def reward_inputs(t: Trajectory, row: object) -> RewardInputs:
     """What reward functions read of trajectory `t`, which came from `row`."""
-    messages = [{"role": str(m.get("role", "user")), "content": str(m.get("content") or "")} for m in t.infos.messages]
+    messages: list[ChatMessage] = [
+        {"role": str(m.get("role", "user")), "content": str(m.get("content") or "")} for m in t.infos.messages
+    ]
     opening = t.infos.opening
     if opening is None:
         opening = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))

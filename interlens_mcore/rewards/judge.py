@@ -36,8 +36,8 @@ from ..grpo.rewards import RewardError
 from ..rollout.round import Call, Driver, Need, generate_waves, run_rounds
 from ..rollout.vote import GatherFn, RolloutError, local_gather
 from ..types import Status, Trajectory
-from .model import RewardModelError, check_weights, fail, frozen
 from .inputs import reward_inputs
+from .model import RewardModelError, check_weights, fail, frozen
 
 T = TypeVar("T")
 NAME = "judge"

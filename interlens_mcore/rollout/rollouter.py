@@ -40,7 +40,7 @@ from ..grpo.estimators import (
     batch_advantages,
     estimator,
 )
-from ..types import Message, Status, Trajectory
+from ..types import ChatMessage, Message, Status, Trajectory
 from .conversation import Conversation, Environment, Participant, Policy
 from .costep import co_step
 from .limits import check_time_limit
@@ -620,7 +620,8 @@ def describe(t: Trajectory, conv: Conversation, sample: Sample[object] | None = 
     # the whole transcript: the row's prompt() (what reward functions see as the prompt), then
     # every committed message under the role the seat's view rendered it with (its own as the
     # assistant's, another seat's as a user's)
-    info.messages = [{"role": m.role, "name": m.speaker, "content": m.content} for m in conv.prompt] + [
+    said: list[ChatMessage] = [{"role": m.role, "name": m.speaker, "content": m.content} for m in conv.prompt]
+    info.messages = said + [
         {"role": _role_seen(m, seat), "name": m.speaker, "content": m.content} for m in conv.messages
     ]
     # a row that opens with nothing (a game whose environment speaks first) is prompted by what

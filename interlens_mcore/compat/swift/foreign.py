@@ -6,8 +6,9 @@ file with only its import lines changed, those classes are not subclasses of our
 recognised as ms-swift style by its hooks: it has `check_finished`, `step` and `on_turn_end`
 (`is_swift_style`). `adapt` builds it as ms-swift does and wraps it in a `SwiftStyle`, a
 `compat.swift.MultiTurnScheduler` whose hooks are the wrapped scheduler's, so the compat
-driver runs it exactly as it runs ours; an instance the user built (`MathTipsScheduler(max_turns=2)`)
-is wrapped the same way when it reaches `run` or `SwiftTaskSource` (`as_ours`). Its own `run` / `async_infer` are never called: the
+driver runs it exactly as it runs ours; an instance the user built
+(`MathTipsScheduler(max_turns=2)`) is wrapped the same way when it reaches `run` or
+`SwiftTaskSource` (`as_ours`). Its own `run` / `async_infer` are never called: the
 turns are this driver's (see docs/swift.md).
 """
 

@@ -41,6 +41,9 @@ def test_run_takes_a_scheduler_on_ms_swifts_own_base_class(tiny, math_tips):
 def test_a_task_source_takes_it_too_and_anything_else_is_named(math_tips):
     source = SwiftTaskSource(math_tips(max_turns=2), _rows())
     assert source.describe()["scheduler"] == "MathTipsScheduler"
-    with pytest.raises(ValueError, match=r"compat.swift.run needs a compat.swift.MultiTurnScheduler or a "
-                       r"scheduler with ms-swift's hooks \(check_finished, step, on_turn_end\), got dict"):
+    with pytest.raises(
+        ValueError,
+        match=r"compat.swift.run needs a compat.swift.MultiTurnScheduler or a "
+        r"scheduler with ms-swift's hooks \(check_finished, step, on_turn_end\), got dict",
+    ):
         run(_rows(), {}, None, None, SamplingParams(max_new_tokens=4))  # fmt: skip

@@ -29,7 +29,9 @@ def test_held_out_rows_of_a_scheduler_report_reward_and_success(tiny):
     rollouter = Rollouter(
         engine=says, tokenizer=tok, groups=ParallelGroups(rank=0, world_size=1), config=RolloutConfig()
     )
-    rows = [{"messages": [{"role": "user", "content": f"{a} + 2?"}], "solution": str(a + 2)} for a in (2, 3, 4)]
+    rows = [
+        {"messages": [{"role": "user", "content": f"{a} + 2?"}], "solution": str(a + 2)} for a in (2, 3, 4)
+    ]
     source = SwiftTaskSource(Tips(max_turns=1), rows, eval_dataset=rows)
     rollout = source.evaluate(rollouter, source.eval_rows(3, seed=0), step=0)
     from interlens_mcore.rewards import adapt

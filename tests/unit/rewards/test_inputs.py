@@ -132,13 +132,17 @@ def rollouts(tiny, tmp_path_factory):
     folder = tmp_path_factory.mktemp("inputs")
     says = Says(tok.encode("4", add_special_tokens=False) + [tok.eos_token_id])
     config = RolloutConfig(num_generations=2, max_new_tokens=4, seed=3)
-    rollouter = Rollouter(engine=says, tokenizer=tok, groups=ParallelGroups(rank=0, world_size=1), config=config)
+    rollouter = Rollouter(
+        engine=says, tokenizer=tok, groups=ParallelGroups(rank=0, world_size=1), config=config
+    )
     out = {}
     for name, source in _sources(folder).items():
         rollout = source.run(rollouter, source.rows(2, seed=0), 0)
         # a seat that never spoke (a game the other seat's invalid move ended) has nothing to score
         live = [
-            (t, r) for t, r in zip(rollout.trajectories, rollout.rows) if t.status is not Status.FAILED and t.turns
+            (t, r)
+            for t, r in zip(rollout.trajectories, rollout.rows)
+            if t.status is not Status.FAILED and t.turns
         ]
         assert live, name
         out[name] = live
@@ -161,8 +165,10 @@ def _check_transcript(name, t, expected, prompt, completion, tok):
     texts = [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt]
     texts += [completion] if isinstance(completion, str) else [m["content"] for m in completion]
     _in_order([x for x in texts if x], tok.decode(t.token_ids))
-    last = completion if isinstance(completion, str) else next(
-        m["content"] for m in reversed(completion) if m["role"] == "assistant"
+    last = (
+        completion
+        if isinstance(completion, str)
+        else next(m["content"] for m in reversed(completion) if m["role"] == "assistant")
     )
     assert last == t.infos.completion == "4", name
 

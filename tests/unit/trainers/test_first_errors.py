@@ -31,7 +31,9 @@ def test_each_cause_is_said_once_with_its_line_then_counted():
         "(samples that fail alike are counted and said at the end)"
     ]
     assert first.new(step_failures([_failed("s1-a", 3)], step=1)) == []  # said already
-    assert first.repeats() == [f"3 samples failed with environment: KeyError at {site} (the first: s0-a, step 0)"]
+    assert first.repeats() == [
+        f"3 samples failed with environment: KeyError at {site} (the first: s0-a, step 0)"
+    ]
 
 
 def test_a_cause_that_failed_once_has_no_count_at_the_end():
