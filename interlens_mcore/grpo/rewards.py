@@ -6,8 +6,9 @@ came from; it returns one float per trajectory. Each trajectory carries what sco
 
 - `infos.env_reward`: the environments' own reward for the trajectory's seat (lineups:
   the sum of `Environment.reward_for(conv, seat)`; schedulers: `rollout_infos[reward_key]`);
-- `infos.completion`: the text of the seat's last message; `infos.messages`: the
-  conversation as `{"role", "name", "content"}` dicts, as this seat saw it;
+- `infos.completion`: the text of the seat's last message; `infos.messages`: the whole
+  conversation as `{"role", "name", "content"}` dicts, as this seat saw it, the row's opening
+  messages first (`infos.opening` of them; `rewards.inputs.reward_inputs` reads them all);
 - `infos.extra`: what the environments or the scheduler reported under their own keys.
 
 The environment's reward is the default `RewardFn`. Beside other functions it gives None
