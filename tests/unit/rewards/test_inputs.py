@@ -226,19 +226,21 @@ def test_our_functions_read_the_same_transcript_in_infos(rollouts, tiny, name):
 
 @pytest.fixture(scope="module")
 def classifier():
-    return ensure_tiny_classifier()
+    """The reward model under test, and the same folder loaded apart to score by hand."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = ensure_tiny_classifier()
+    model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    return RewardModel(path), model, AutoTokenizer.from_pretrained(path)
 
 
 @pytest.mark.parametrize("name", SOURCES)
 def test_a_reward_model_scores_the_whole_conversation(rollouts, classifier, name):
     """The logged score equals the classifier's own score of the conversation rendered by its
     chat template: the row's prompt, then the completion (docs/reward-models.md)."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
+    reward_model, model, tok = classifier
     pairs = rollouts[name]
-    scores = RewardModel(classifier)([t for t, _ in pairs], [r for _, r in pairs])
-    model = AutoModelForSequenceClassification.from_pretrained(classifier).eval()
-    tok = AutoTokenizer.from_pretrained(classifier)
+    scores = reward_model([t for t, _ in pairs], [r for _, r in pairs])
     assert tok.chat_template  # the documented rendering is the template's
     for (t, row), score in zip(pairs, scores, strict=True):
         prompt = _as_messages(_expected_prompt(name, row, t))
