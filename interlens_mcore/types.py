@@ -89,6 +89,9 @@ class TrajectoryInfo:
     seed: int | None = None  # the sample's random stream
     completion: str = ""  # the text of the seat's last message
     messages: list[ChatMessage] = field(default_factory=list)  # the transcript as the seat saw it
+    # how many of `messages` open the conversation (the row's prompt); None: those before the
+    # seat's first message (what a scheduler's or an agent's request opened with)
+    opening: int | None = None
     env_reward: float | None = None  # the environments' (or the scheduler's) reward for the seat
     success: float | None = None  # in [0, 1], where the task reports one
     outcome: dict[str, float] | None = None  # seat -> 1 win, 1/2 tie, 0 loss (multi-seat games)

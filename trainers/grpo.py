@@ -51,6 +51,7 @@ from .backends.base import Backend
 from .config import TrainerConfig
 from .report import record
 from .report.failures import step_failures
+from .report.first_errors import FirstErrors
 from .report.health import HealthCheck
 from .report.reporter import Reporter
 from .schedule import lr_at
@@ -173,6 +174,7 @@ class GRPOTrainer:
         # what the progress bar says the step is doing (the Reporter's note while `train` runs)
         self.say: Callable[[str], None] = lambda text: None
         self.warn: Callable[[str], None] = lambda text: None  # a health warning (rank 0's report)
+        self.first_errors = FirstErrors()  # each cause of failed samples said once, counted after
         # a failure on any rank reaches every rank of the world as its named cause, at once; the
         # check waits as long as any collective may (a rank that failed early waits there)
         timeout = world_check_timeout_s if world_check_timeout_s is not None else config.collective_timeout_s
@@ -239,6 +241,8 @@ class GRPOTrainer:
             report.close(steps=self.step, failed=True)  # quickly: the caller names the cause
             raise
         else:
+            for line in self.first_errors.repeats():
+                report.warn(line)
             report.close(steps=self.step)
         finally:
             self.stop.finish()
@@ -278,6 +282,8 @@ class GRPOTrainer:
             rollout, components, refilled = self.refilled(rollout, components)
         with distributed.stage("failed samples"):
             failures = step_failures(rollout.trajectories, self.step)
+        for line in self.first_errors.new(failures):  # a cause met for the first time, said now
+            self.warn(line)
         # before the update: a step whose samples mostly failed trains nothing (every rank raises)
         failures.check(self.config.max_failed_fraction)
         with distributed.stage("advantages"):  # an estimator's batch step: over the world's samples

@@ -6,11 +6,15 @@ came from; it returns one float per trajectory. Each trajectory carries what sco
 
 - `infos.env_reward`: the environments' own reward for the trajectory's seat (lineups:
   the sum of `Environment.reward_for(conv, seat)`; schedulers: `rollout_infos[reward_key]`);
-- `infos.completion`: the text of the seat's last message; `infos.messages`: the
-  conversation as `{"role", "name", "content"}` dicts, as this seat saw it;
+- `infos.completion`: the text of the seat's last message; `infos.messages`: the whole
+  conversation as `{"role", "name", "content"}` dicts, as this seat saw it, the row's opening
+  messages first (`infos.opening` of them; `rewards.inputs.reward_inputs` reads them all);
 - `infos.extra`: what the environments or the scheduler reported under their own keys.
 
-The environment's reward is the default `RewardFn`. Several functions combine with weights
+The environment's reward is the default `RewardFn`. Beside other functions it gives None
+("not applicable") to the samples whose task set no reward of its own, so reward functions given
+to a task without a reward (a scheduler that sets none) are the reward; alone, a sample without
+one is a `NoEnvironmentReward`. Several functions combine with weights
 (as TRL's `reward_funcs` / `reward_weights`); each is logged apart as `reward/<name>`::
 
     def brevity(trajectories, rows):
@@ -44,6 +48,7 @@ from dataclasses import dataclass
 from numbers import Real
 from typing import Any, Protocol
 
+from ..rollout.outcome import failure_reason
 from ..types import Status, Trajectory
 
 
@@ -62,9 +67,6 @@ class RewardError(ValueError):
 
 
 ASK_FOR_A_REWARD = "give the task a reward function (--reward MODULE:FN)"
-ASK_FOR_NO_ENV_REWARD = (
-    "the task's own reward is on by default: pass --no-env-reward to score with your reward functions alone"
-)
 
 
 class NoEnvironmentReward(RewardError):
@@ -157,7 +159,7 @@ def checked(fn: object, returned: object, trajectories: Sequence[Trajectory]) ->
 def mark_failed(t: Trajectory, name: str, exc: BaseException) -> None:
     """The shared contract: FAILED, with the cause starting with what failed."""
     t.status = Status.FAILED
-    t.infos.stop_reason = f"reward {name}: {type(exc).__name__}: {exc}"
+    t.infos.stop_reason = failure_reason(f"reward {name}", exc)
 
 
 def collective(fn: object) -> bool:
@@ -238,10 +240,13 @@ class WeightedRewards:
         """`fn`'s checked values; a raising batch is retried sample by sample (module docstring)."""
         try:
             returned = fn(trajectories, rows)
-        except NoEnvironmentReward as exc:
-            if len(self.fns) > 1:  # the user gave reward functions and left the task's own on
-                raise NoEnvironmentReward(exc.sample, ASK_FOR_NO_ENV_REWARD) from None
-            raise
+        except NoEnvironmentReward:
+            if len(self.fns) == 1:  # neither the task nor the user gives a reward
+                raise
+            # reward functions were given and the task has no reward of its own (a scheduler that
+            # sets none, a dataset): the functions are the reward, as in TRL and ms-swift; the
+            # task's own counts where it gave one
+            return [t.infos.env_reward for t in trajectories]
         except RewardError:
             raise
         except Exception:

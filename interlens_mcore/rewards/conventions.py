@@ -2,15 +2,19 @@
 
 - a class: an ms-swift ORM (`class MyORM(ORM): def __call__(self, completions, **kwargs)`).
   It is instantiated with no arguments, as ms-swift does, and called with the completions as
-  text and keywords: every dataset column of the row (`solution`, ...), `messages` (the
-  seat's transcript, its completion last), `response_token_ids` and `trainer_state`.
+  text and keywords: every dataset column of the row (`solution`, ...), `messages` (the whole
+  transcript: the row's opening messages, then the conversation), `response_token_ids` and
+  `trainer_state`.
 - a function or callable object with a `**kwargs` parameter, or a parameter named `prompts`,
   `completions` or `completion_ids`: TRL's `fn(prompts, completions, completion_ids, **kwargs)`.
   Keywords: every dataset column of the row (reasoning-gym: `question`, `answer`, `metadata`),
   `trainer_state` (`global_step`, `max_steps`), `log_extra(column, values)` (one value per
   sample, kept in each sample's `infos.extra[column]`) and `log_metric(name, value)` (logged
-  as `reward_metric/<name>`, the mean over the step's calls and ranks). Prompts and
-  completions are text or message lists by TRL's rule (`inputs.is_text`).
+  as `reward_metric/<name>`, the mean over the step's calls and ranks). `prompts` are the rows'
+  opening messages and `completions` what followed, as text or message lists by TRL's rule
+  (`inputs.is_text`).
+
+Every convention reads the same `inputs.RewardInputs` of each sample.
 - anything else taking two positional parameters: ours, `fn(trajectories, rows)`.
 
 An `async def` function (anything returning an awaitable) is awaited. Every convention may
@@ -131,18 +135,13 @@ class TRLReward(StatefulReward):
         self.fn, self.name, self.per_sample = fn, name, per_sample
 
     def __call__(self, trajectories: Sequence[Trajectory], rows: Sequence[Any]) -> Sequence[float | None]:
-        prompts, completions = [], []
-        for t, row in zip(trajectories, rows, strict=True):
-            prompt, completion = inputs.split_messages(t)
-            text = inputs.is_text(row)
-            prompts.append(inputs.prompt_text(prompt) if text else prompt)
-            completions.append(t.infos.completion if text else completion)
+        given = [inputs.reward_inputs(t, row) for t, row in zip(trajectories, rows, strict=True)]
         extra: dict[str, list[object]] = {}
         kwargs = {
-            "prompts": prompts,
-            "completions": completions,
-            "completion_ids": [inputs.completion_ids(t) for t in trajectories],
-            **inputs.batch_columns(rows),
+            "prompts": [x.prompt_text if x.text else x.prompt for x in given],
+            "completions": [x.completion_text if x.text else x.completion for x in given],
+            "completion_ids": [x.completion_ids for x in given],
+            **inputs.batch_columns(given),
             "trainer_state": self.state,
             "log_extra": lambda column, values: extra.setdefault(column, []).extend(values),
             "log_metric": lambda key, value: self.metrics.setdefault(key, []).append(float(value)),
@@ -163,14 +162,12 @@ class ORMReward(StatefulReward):
         self.orm, self.name = orm, name
 
     def __call__(self, trajectories: Sequence[Trajectory], rows: Sequence[Any]) -> Sequence[float | None]:
-        columns = inputs.batch_columns(rows)
-        columns["messages"] = [[*p, *c] for p, c in map(inputs.split_messages, trajectories)]
+        given = [inputs.reward_inputs(t, row) for t, row in zip(trajectories, rows, strict=True)]
         kwargs = {
-            **columns,
-            "response_token_ids": [inputs.completion_ids(t) for t in trajectories],
+            **inputs.batch_columns(given),
+            "messages": [x.transcript for x in given],
+            "response_token_ids": [x.completion_ids for x in given],
             "trainer_state": self.state,
         }
-        return cast(
-            Values,
-            awaited(self.orm([t.infos.completion for t in trajectories], **accepted(self.orm, kwargs))),
-        )
+        completions = [x.completion_text for x in given]
+        return cast(Values, awaited(self.orm(completions, **accepted(self.orm, kwargs))))

@@ -1,7 +1,8 @@
 """`--judge-model PATH --judge-template FILE`: a generative judge scoring each trajectory.
 
 The template is a text file whose `{name}` placeholders are filled per trajectory with
-`{prompt}` (`transcript.prompt_text`), `{completion}` (the seat's last message) and the row's
+`{prompt}` (`inputs.RewardInputs.context_text`: the row's opening messages and whatever was
+said before the seat's last message, a line apart), `{completion}` (that message) and the row's
 columns (`{solution}`...; a dataset row's own `prompt` column is shadowed by ours). Literal
 braces are doubled (`{{` / `}}`), as in `str.format`. A placeholder the row does not fill is a
 `JudgeTemplateError` naming the file and the key, raised on every rank of the rollout group.
@@ -35,8 +36,8 @@ from ..grpo.rewards import RewardError
 from ..rollout.round import Call, Driver, Need, generate_waves, run_rounds
 from ..rollout.vote import GatherFn, RolloutError, local_gather
 from ..types import Status, Trajectory
+from .inputs import reward_inputs
 from .model import RewardModelError, check_weights, fail, frozen
-from .transcript import prompt_text, row_columns
 
 T = TypeVar("T")
 NAME = "judge"
@@ -185,7 +186,8 @@ class Judge:
         if t.status is Status.FAILED:
             return None
         where = f"trajectory {i} ({t.infos.conversation or '?'}, seat {t.participant!r})"
-        values = {**row_columns(row), "prompt": prompt_text(t), "completion": t.infos.completion}
+        seen = reward_inputs(t, row)
+        values = {**seen.columns, "prompt": seen.context_text, "completion": seen.completion_text}
         prompt = self.template.fill(values, where)  # a key the rows lack: every sample's error, raised
         engine = self.engine()  # loading it is not one sample's failure: outside the try
         try:  # a text the judge's chat template refuses fails only its own sample

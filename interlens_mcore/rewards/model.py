@@ -1,9 +1,10 @@
 """`--reward-model PATH`: a sequence classifier (a reward model) scoring each trajectory.
 
 The folder is any `transformers.AutoModelForSequenceClassification` checkpoint with its
-tokenizer, read from safetensors only (nothing is unpickled). A trajectory is scored as its
-conversation through the tokenizer's chat template when it has one, else as the prompt and the
-completion as plain text (`transcript.prompt_text`, a newline, the completion). The score is
+tokenizer, read from safetensors only (nothing is unpickled). A trajectory is scored as its whole
+conversation (`inputs.RewardInputs.transcript`: the row's opening messages, then every message
+after) through the tokenizer's chat template when it has one, else as plain text: the contents
+before the seat's last message, a line apart (`context_text`), a newline, the completion. The score is
 the logit `label` of the classifier's output (num_labels=1: the only one; default: the last).
 
 Scoring runs on this rank, frozen (eval mode, no gradient), in batches of `batch_size`
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from ..types import Status, Trajectory
-from .transcript import chat_messages, prompt_text
+from .inputs import reward_inputs
 
 NAME = "reward_model"
 
@@ -142,23 +143,25 @@ class RewardModel:
             self._loaded = load(self.path)
         return self._loaded
 
-    def input_ids(self, t: Trajectory) -> list[int]:
-        """The tokens the classifier reads for `t`: the chat template's, else prompt + completion."""
+    def input_ids(self, t: Trajectory, row: object = None) -> list[int]:
+        """The tokens the classifier reads for `t`: the whole transcript through the chat
+        template, else the context and the completion as plain text."""
         tok = self.loaded.tokenizer
+        seen = reward_inputs(t, row)
         if tok.chat_template:
-            text = tok.apply_chat_template(chat_messages(t), tokenize=False)
+            text = tok.apply_chat_template(seen.transcript, tokenize=False)
             return list(tok(text, add_special_tokens=False)["input_ids"])
-        return list(tok(prompt_text(t) + "\n" + t.infos.completion)["input_ids"])
+        return list(tok(seen.context_text + "\n" + seen.completion_text)["input_ids"])
 
     def __call__(self, trajectories: Sequence[Trajectory], rows: Sequence[object]) -> list[float]:
         scores = [0.0] * len(trajectories)
         todo: list[tuple[int, list[int]]] = []
-        for i, t in enumerate(trajectories):
+        for i, (t, row) in enumerate(zip(trajectories, rows, strict=True)):
             if t.status is Status.FAILED:
                 continue
             loaded = self.loaded  # loading the model is not one sample's failure: outside the try
             try:  # a transcript the chat template refuses (a role it does not know) fails only itself
-                ids = self.input_ids(t)
+                ids = self.input_ids(t, row)
             except Exception as exc:
                 fail(t, f"reward {self.name}: {type(exc).__name__}: {exc}")
                 continue

@@ -21,6 +21,7 @@ scheduler output's `error` or `rollout_infos["timeout"]`).
 
 from __future__ import annotations
 
+import traceback
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -97,8 +98,28 @@ def fail(
 
 
 def failure_reason(what: str, exc: BaseException) -> str:
-    """How a failed sample's stop reason names its cause: `"scheduler: KeyError: 'x'"`."""
-    return f"{what}: {type(exc).__name__}: {exc}"
+    """How a failed sample's stop reason names its cause: `"scheduler: KeyError: 'x'"`; where
+    the exception was raised is kept beside it (`failure_site`)."""
+    reason = f"{what}: {type(exc).__name__}: {exc}"
+    frames = traceback.extract_tb(exc.__traceback__)
+    if frames:
+        _SITES.pop(reason, None)  # the newest at the end: the oldest leave first
+        _SITES[reason] = f"{frames[-1].filename}:{frames[-1].lineno}"
+        while len(_SITES) > _MAX_SITES:
+            del _SITES[next(iter(_SITES))]
+    return reason
+
+
+# a failure's reason -> the file:line its exception was raised at, on this process; the reason
+# stays the stop reason's text (records and figures read it), the site only names the line
+_SITES: dict[str, str] = {}
+_MAX_SITES = 4096  # distinct reasons kept (a text that names each sample makes every one new)
+
+
+def failure_site(reason: str | None) -> str | None:
+    """The file:line where the exception behind `reason` was raised on this process (None: not
+    known here, or not a failure)."""
+    return None if reason is None else _SITES.get(reason)
 
 
 OnSampleError = Literal["skip", "raise"]

@@ -4,8 +4,10 @@ Each row becomes `num_generations` samples on this rank. A row that lays out a l
 `Task`) runs through `co_step`; rows of a task source with a `MultiTurnScheduler` run through
 `run_multi_turn`. Either way every trajectory leaves with what scoring needs in `infos`:
 `env_reward` (the environments' or the scheduler's own reward for its seat), `completion`
-(the seat's last message), `messages` (the transcript as the seat saw it) and, where the task
-reports one, `success`.
+(the seat's last message), `messages` (the whole transcript as the seat saw it: the row's
+opening messages, then the conversation; `opening` says how many open it) and, where the task
+reports one, `success`. What reward functions read of these is built in one place,
+`rewards.inputs.reward_inputs`.
 
 Every path expands rows the same way (`expand_rows`): a sample's group, index, id and seed
 depend only on (seed, step, rank, row, sample), so a resumed run replays the same samples, and
@@ -38,7 +40,7 @@ from ..grpo.estimators import (
     batch_advantages,
     estimator,
 )
-from ..types import Message, Status, Trajectory
+from ..types import ChatMessage, Message, Status, Trajectory
 from .conversation import Conversation, Environment, Participant, Policy
 from .costep import co_step
 from .limits import check_time_limit
@@ -615,10 +617,17 @@ def describe(t: Trajectory, conv: Conversation, sample: Sample[object] | None = 
     info.env_reward = float(sum(scores)) if scores else None
     own = [m.content for m in conv.messages if m.speaker == seat]
     info.completion = own[-1] if own else ""
-    info.messages = [  # the committed messages; the opening ones are the row's prompt()
-        {"role": "assistant" if m.speaker == seat else m.role, "name": m.speaker, "content": m.content}
-        for m in conv.messages
+    # the whole transcript: the row's prompt() (what reward functions see as the prompt), then
+    # every committed message under the role the seat's view rendered it with (its own as the
+    # assistant's, another seat's as a user's)
+    said: list[ChatMessage] = [{"role": m.role, "name": m.speaker, "content": m.content} for m in conv.prompt]
+    info.messages = said + [
+        {"role": _role_seen(m, seat), "name": m.speaker, "content": m.content} for m in conv.messages
     ]
+    # a row that opens with nothing (a game whose environment speaks first) is prompted by what
+    # was said before the seat's first message
+    first = next((i for i, m in enumerate(conv.messages) if m.speaker == seat), len(conv.messages))
+    info.opening = len(conv.prompt) or first
     outcome = conv.infos.get("outcome")
     if isinstance(outcome, dict):
         info.outcome = {str(k): float(v) for k, v in outcome.items()}
@@ -626,6 +635,11 @@ def describe(t: Trajectory, conv: Conversation, sample: Sample[object] | None = 
         info.success = float(outcome[seat])
     elif conv.infos.get("success") is not None:
         info.success = float(conv.infos["success"])
+
+
+def _role_seen(m: Message, seat: str) -> str:
+    """The role `seat`'s view renders `m` with (`Conversation._append_to_view`)."""
+    return "assistant" if m.speaker == seat else "user" if m.role == "assistant" else m.role
 
 
 def rollout_advantages(

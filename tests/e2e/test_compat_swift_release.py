@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from support.launch import SMALL, metrics, torchrun
+from support.launch import SMALL, evaluations, metrics, torchrun
 from support.swift_release import release_files
 
 # four 3-step torchrun runs (about four minutes here), and a download on a fresh machine
@@ -62,8 +62,9 @@ def short(trajectories, rows):
     return [1.0 / (1 + len(t.infos["completion"])) for t in trajectories]
 """
 
-# name -> options beyond the common ones: MathTips and ThinkingTips set no reward of their own
-OUR_REWARD = ["--reward", "reward.py:short", "--no-env-reward"]
+# name -> options beyond the common ones: MathTips and ThinkingTips set no reward of their own,
+# so the reward function given is the reward (no --no-env-reward, as in ms-swift and TRL)
+OUR_REWARD = ["--reward", "reward.py:short"]
 RUNS = {
     "math_tip_trick": OUR_REWARD,
     "thinking_tips_scheduler": [*OUR_REWARD, "--loss-scale", "last_round"],
@@ -113,3 +114,9 @@ def test_release_scheduler_trains_by_registry_name(plugin_folder, tmp_path, name
     assert run["task_source"]["scheduler"] == scheduler  # the release file's class, by its name
     texts = [json.loads(line)["text"] for line in (out / "completions.jsonl").read_text().splitlines()]
     assert any(said in t for t in texts)  # the scheduler's own logic (or our environment) spoke
+    # the held-out rows report as every source's do, before training and after it
+    evals = [r for r in evaluations(out) if "eval/success_rate" in r]
+    assert [r["step"] for r in evals] == [0, 3]
+    for r in evals:
+        assert 0.0 <= r["eval/success_low"] <= r["eval/success_rate"] <= r["eval/success_high"] <= 1.0
+        assert r["eval/success_n"] == 8 and isinstance(r["eval/reward"], float)  # 4 rows per rank

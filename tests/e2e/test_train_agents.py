@@ -29,25 +29,35 @@ def solve(client, row):  # a plain function: it gets an openai.OpenAI client
         model="policy", messages=[{"role": "user", "content": row["question"]}], max_tokens=4
     )
     said = reply.choices[0].message.content.strip()
+    if row["answer"] == 6:  # one row in four: the agent's own bug
+        raise ValueError("no answer for " + row["question"])
     right = said == str(row["answer"])
     return {"reward": float(right) + 0.1 * said.isdigit(), "success": float(right)}
 """
 
 
 def test_a_sync_agent_on_dataset_rows(tmp_path):
+    """Also: an agent raising on one row in four (each rank plays all four rows every step)
+    fails those samples only, says the cause once on stderr at step 0, and the count at the end."""
     data = tmp_path / "sums.jsonl"
-    rows = [{"question": f"what is {i} + {i}?", "answer": 2 * i} for i in range(40)]
+    rows = [{"question": f"what is {i} + {i}?", "answer": 2 * i} for i in range(4)]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "myagent.py").write_text(SYNC_AGENT)
     out = tmp_path / "run"
     args = ["--agent", "myagent:solve", "--dataset", str(data), "--prompt-column", "question"]
-    args += ["--steps", "3", "--output-dir", str(out)]
-    res = torchrun(*args, *SMALL, cwd=tmp_path)
+    args += ["--eval-dataset", str(data), "--steps", "2", "--output-dir", str(out)]
+    res = torchrun(*args, *SMALL, "--num-generations", "2", cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
-    rows_logged = trained(out)
+    rows_logged = trained(out, steps=2)
     assert all(r["agent/calls_per_sample"] == 1 for r in rows_logged)
+    assert [r["failed/agent"] for r in rows_logged] == [4, 4]  # 2 samples of the row on each rank
     run = json.loads((out / "run.json").read_text())
     assert run["task_source"]["agent"] == "solve" and run["task_source"]["rows"]["name"]
+    site = f"{tmp_path / 'myagent.py'}:8"  # the raise (the file opens with a blank line)
+    said = [line for line in res.stderr.splitlines() if "failed at step" in line]
+    assert len(said) == 1, res.stderr[-3000:]
+    assert "failed at step 0: agent: ValueError: no answer for what is 3 + 3?" in said[0] and site in said[0]
+    assert f"8 samples failed with agent: ValueError at {site}" in res.stderr
 
 
 def test_the_readme_agent_is_the_launch_file():

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from interlens_mcore import distributed
+from interlens_mcore.rollout.outcome import failure_site
 from interlens_mcore.types import Status, Trajectory
 
 if TYPE_CHECKING:
@@ -36,6 +37,7 @@ class FailedSample:
     cause: str  # the stop reason's first word: scheduler, environment, tool, reward ...
     reason: str  # the whole stop reason
     conversation: str  # the sample's id
+    site: str | None = None  # file:line the exception was raised at (None: not known)
 
 
 def cause_of(reason: str | None) -> str:
@@ -53,6 +55,7 @@ def failed_samples(trajectories: Sequence[Trajectory]) -> list[FailedSample]:
             cause=cause_of(t.infos.stop_reason),
             reason=t.infos.stop_reason or "no reason given",
             conversation=t.infos.conversation or f"index {t.infos.index}",
+            site=failure_site(t.infos.stop_reason),
         )
         for t in trajectories
         if t.status is Status.FAILED

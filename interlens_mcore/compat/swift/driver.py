@@ -41,6 +41,7 @@ from ...rollout.outcome import OnSampleError
 from ...rollout.rollouter import Sample, expand_rows
 from ...rollout.vote import GatherFn, cast_vote, local_gather
 from .bridge import RequestState, SwiftBridge, add_note
+from .foreign import as_ours
 from .scheduler import MultiTurnScheduler
 from .transcript import native_messages, prompt_ids, without_placeholder
 from .types import Message, RolloutInferRequest, SwiftOutput, TrainTurns
@@ -199,7 +200,7 @@ def _finish(out: RolloutOutput, st: RequestState, train_turns: TrainTurns) -> Sw
 
 def run(
     rows: Sequence[Row],
-    scheduler: MultiTurnScheduler,
+    scheduler: MultiTurnScheduler | object,
     engine: Engine,
     tokenizer: Tokenizer,
     sampling: SamplingParams,
@@ -215,6 +216,9 @@ def run(
 ) -> list[SwiftOutput]:
     """Roll out this rank's rows with an ms-swift scheduler; one output per request, in order.
 
+    `scheduler` is a `compat.swift.MultiTurnScheduler`, or one built on ms-swift's own base
+    classes (its release `multi_turn.py` with the import lines changed), run by its hooks.
+
     Collective over the group `gather_fn` votes in: every rank calls it, with its own rows.
     `max_turns` (default: the scheduler's) of 0 or None means no cap. `train_turns`
     "last_round" trains only each request's last turn (ms-swift's `--loss_scale last_round`).
@@ -225,7 +229,6 @@ def run(
     and the others carry on; "raise" (default) fails the rollout as described above.
     `on_trajectory_start` and `on_trajectory_end` see every request: their failures always do.
     """
-    _check(scheduler, train_turns, step_timeout_s)
     states = build_requests(rows, num_generations=num_generations, rank=rank, seed=seed)
     return run_requests(
         states, scheduler, engine, tokenizer, sampling,
@@ -234,19 +237,18 @@ def run(
     )  # fmt: skip
 
 
-def _check(scheduler: MultiTurnScheduler, train_turns: str, step_timeout_s: float | None) -> None:
-    if not isinstance(scheduler, MultiTurnScheduler):
-        raise ValueError(
-            f"compat.swift.run needs a compat.swift.MultiTurnScheduler, got {type(scheduler).__name__}"
-        )
+def _check(scheduler: object, train_turns: str, step_timeout_s: float | None) -> MultiTurnScheduler:
+    """`scheduler` as ours (one on ms-swift's own base classes wrapped), once the options are checked."""
+    ours = as_ours(scheduler, "compat.swift.run")
     if train_turns not in get_args(TrainTurns):
         raise ValueError(f"train_turns must be one of {get_args(TrainTurns)}, got {train_turns!r}")
     check_time_limit(step_timeout_s, "compat.swift.run: step_timeout_s")
+    return ours
 
 
 def run_requests(
     states: list[RequestState],
-    scheduler: MultiTurnScheduler,
+    scheduler: MultiTurnScheduler | object,
     engine: Engine,
     tokenizer: Tokenizer,
     sampling: SamplingParams,
@@ -260,7 +262,7 @@ def run_requests(
     on_sample_error: OnSampleError = "raise",
 ) -> list[SwiftOutput]:
     """`run` over requests already built (`build_requests`, `sample_requests`)."""
-    _check(scheduler, train_turns, step_timeout_s)
+    scheduler = _check(scheduler, train_turns, step_timeout_s)
     cap = _cap(scheduler.max_turns if max_turns is None else max_turns)
     chat = ChatFormat(tokenizer)
     scheduler.bind(engine, tokenizer)
@@ -331,7 +333,7 @@ def _end(scheduler: MultiTurnScheduler, requests: list[RolloutInferRequest], err
 
 
 def rollout_trajectories(
-    scheduler: MultiTurnScheduler,
+    scheduler: MultiTurnScheduler | object,
     rows: Sequence[Row],
     *,
     num_generations: int,

@@ -6,7 +6,9 @@ file with only its import lines changed, those classes are not subclasses of our
 recognised as ms-swift style by its hooks: it has `check_finished`, `step` and `on_turn_end`
 (`is_swift_style`). `adapt` builds it as ms-swift does and wraps it in a `SwiftStyle`, a
 `compat.swift.MultiTurnScheduler` whose hooks are the wrapped scheduler's, so the compat
-driver runs it exactly as it runs ours. Its own `run` / `async_infer` are never called: the
+driver runs it exactly as it runs ours; an instance the user built
+(`MathTipsScheduler(max_turns=2)`) is wrapped the same way when it reaches `run` or
+`SwiftTaskSource` (`as_ours`). Its own `run` / `async_infer` are never called: the
 turns are this driver's (see docs/swift.md).
 """
 
@@ -110,7 +112,27 @@ class SwiftStyle(MultiTurnScheduler):
 
 
 def adapt(cls: type, *, infer_engine: InferEngine | None, max_turns: int | None, **kwargs: Any) -> SwiftStyle:
-    """`cls(infer_engine=..., max_turns=..., **kwargs)` as ms-swift builds it, wrapped; the
-    wrapper's class carries `cls`'s name, so errors and the start line name the user's class."""
+    """`cls(infer_engine=..., max_turns=..., **kwargs)` as ms-swift builds it, wrapped."""
+    return wrap(cls(infer_engine=infer_engine, max_turns=max_turns, **kwargs))
+
+
+def wrap(inner: object) -> SwiftStyle:
+    """An ms-swift-style scheduler already built, as ours; the wrapper's class carries the inner
+    class's name, so errors and the start line name the user's class."""
+    cls = type(inner)
     named = type(cls.__name__, (SwiftStyle,), {"__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
-    return named(cls(infer_engine=infer_engine, max_turns=max_turns, **kwargs))
+    return named(inner)
+
+
+def as_ours(scheduler: object, what: str) -> MultiTurnScheduler:
+    """`scheduler` as a `compat.swift.MultiTurnScheduler`: ours as it is, one built on ms-swift's
+    own base classes (its release `multi_turn.py`) wrapped by its hooks; a ValueError naming
+    `what` for anything else."""
+    if isinstance(scheduler, MultiTurnScheduler):
+        return scheduler
+    if is_swift_style(type(scheduler)):
+        return wrap(scheduler)
+    raise ValueError(
+        f"{what} needs a compat.swift.MultiTurnScheduler or a scheduler with ms-swift's hooks "
+        f"({', '.join(HOOKS)}), got {type(scheduler).__name__}"
+    )

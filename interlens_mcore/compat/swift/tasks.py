@@ -28,6 +28,7 @@ from ...rollout.rollouter import Rollout, Rollouter, RolloutPlan
 from ...rollout.vote import GatherFn, local_gather
 from ...tasks.base import TaskSource
 from .driver import rollout_trajectories, run_requests, sample_requests
+from .foreign import as_ours
 from .plugins import build_scheduler, load_plugins, resolve_gym_env, resolve_scheduler
 from .scheduler import MultiTurnScheduler
 from .types import TrainTurns
@@ -40,7 +41,7 @@ class SwiftTaskSource(TaskSource):
 
     def __init__(
         self,
-        scheduler: MultiTurnScheduler,
+        scheduler: MultiTurnScheduler | object,  # or one on ms-swift's own base classes
         dataset: Sequence[dict[str, object]],
         *,
         eval_dataset: Sequence[dict[str, object]] = (),
@@ -48,9 +49,9 @@ class SwiftTaskSource(TaskSource):
         max_turns: int | None = None,
         train_turns: TrainTurns = "all",
         name: str | None = None,
+        success_threshold: float = 1.0,
     ):
-        if not isinstance(scheduler, MultiTurnScheduler):
-            raise ValueError(f"SwiftTaskSource needs a compat.swift.MultiTurnScheduler, got {scheduler!r}")
+        ours = as_ours(scheduler, "SwiftTaskSource")
         for label, rows in (("dataset", dataset), ("eval_dataset", eval_dataset)):
             bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict)), None)
             if bad is not None:
@@ -59,9 +60,12 @@ class SwiftTaskSource(TaskSource):
             raise ValueError("SwiftTaskSource needs a non-empty dataset")
         if train_turns not in get_args(TrainTurns):
             raise ValueError(f"train_turns must be one of {get_args(TrainTurns)}, got {train_turns!r}")
-        self._scheduler, self.dataset, self.eval_dataset = scheduler, list(dataset), list(eval_dataset)
+        self._scheduler, self.dataset, self.eval_dataset = ours, list(dataset), list(eval_dataset)
         self.reward_key, self.max_turns, self.train_turns = reward_key, max_turns, train_turns
         self.name = name or self.name
+        # ms-swift schedulers report a reward, not whether a sample succeeded: as for a dataset
+        # row, a sample succeeds when its reward reaches this (1.0: the usual right answer)
+        self.success_threshold = success_threshold
 
     @classmethod
     def from_spec(
@@ -102,6 +106,14 @@ class SwiftTaskSource(TaskSource):
 
     def scheduler(self) -> MultiTurnScheduler:
         return self._scheduler
+
+    def success_of(self, trajectory: Trajectory) -> float | None:
+        """Whether the sample's reward reached `success_threshold` (a success set on the
+        trajectory comes first): what `success_rate` and `eval/success_rate` count."""
+        if trajectory.infos.success is not None:
+            return trajectory.infos.success
+        reward = trajectory.reward  # set by the trainer before it asks
+        return None if reward is None else float(reward >= self.success_threshold)
 
     def describe(self) -> dict[str, object]:
         return {

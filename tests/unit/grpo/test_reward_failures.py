@@ -60,12 +60,18 @@ def test_a_returned_value_that_is_no_number_is_a_reward_error_not_a_failed_sampl
     assert ts[0].status is Status.STOPPED
 
 
-def test_no_environment_reward_names_no_env_reward_when_reward_functions_were_given():
-    ts = [sample("ok")]  # a dataset row: no environment reward
-    with pytest.raises(NoEnvironmentReward, match="pass --no-env-reward to score with your reward functions"):
-        WeightedRewards([environment_reward, picky]).score(ts, [row()])
+def test_reward_functions_are_the_reward_of_a_task_without_one_of_its_own():
+    def length(trajectories, rows):
+        return [float(len(t.infos.completion)) for t in trajectories]
+
+    ts = [sample("ok"), sample("three")]  # dataset rows: no environment reward
+    totals, parts = WeightedRewards([environment_reward, length]).score(ts, [row()] * 2)
+    assert parts == {"env": [None, None], "length": [2.0, 5.0]} and totals == [2.0, 5.0]
+    ts[1].infos.env_reward = 0.5  # where the task gives one, it counts beside them
+    totals, parts = WeightedRewards([environment_reward, length]).score(ts, [row()] * 2)
+    assert parts["env"] == [None, 0.5] and totals == [2.0, 5.5]
     with pytest.raises(NoEnvironmentReward, match=r"give the task a reward function \(--reward MODULE:FN\)"):
-        WeightedRewards([environment_reward]).score(ts, [row()])
+        WeightedRewards([environment_reward]).score([sample("ok")], [row()])
 
 
 def test_a_collective_function_runs_before_user_functions_that_may_raise():

@@ -107,7 +107,7 @@ def test_judge_folder_must_be_a_causal_lm(tmp_path):
 
 
 def test_prompt_is_the_transcript_before_the_seats_last_message():
-    from interlens_mcore.rewards.transcript import prompt_text
+    from interlens_mcore.rewards.inputs import reward_inputs
 
     messages = [
         {"role": "system", "content": "play"},
@@ -123,7 +123,7 @@ def test_prompt_is_the_transcript_before_the_seats_last_message():
         rollout_logprobs=None,
         infos=TrajectoryInfo(completion="75", messages=messages),
     )
-    assert prompt_text(t) == "play\nguess\n50\nhigher"
+    assert reward_inputs(t, None).context_text == "play\nguess\n50\nhigher"
 
 
 class ScriptedJudge:

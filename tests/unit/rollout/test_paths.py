@@ -17,7 +17,6 @@ from interlens_mcore.types import Status
 
 SECRETS = (7, 3)
 SEED, STEP, N = 5, 2, 3
-OPENINGS = {f"guess {s}" for s in SECRETS}
 
 
 class Judge(Environment):
@@ -88,9 +87,8 @@ def _record(t):
         "env_reward": info.env_reward,
         "finish_reasons": info.finish_reasons,
         "logprobs_complete": info.logprobs_complete,
-        # a lineup's messages are those committed after the opening (the row's prompt()); a
-        # scheduler's request holds its opening messages too
-        "transcript": [(m["role"], m["content"]) for m in info.messages if m["content"] not in OPENINGS],
+        # the whole transcript on every path: the row's opening messages, then the conversation
+        "transcript": [(m["role"], m["content"]) for m in info.messages],
         # up to the last sampled token: a lineup's view also holds the template's closing ids
         "token_ids": t.token_ids[: t.turns[-1].end],
         "loss_mask": t.loss_mask[: t.turns[-1].end],
