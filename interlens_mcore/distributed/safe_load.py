@@ -82,7 +82,8 @@ def _allowed_globals() -> frozenset[str]:
 # what a pickle in a checkpoint may name: torch's `weights_only` types (tensors, storages,
 # dtypes, plain containers), the libraries' data classes above and DCP's metadata classes
 ALLOWED_GLOBALS = _allowed_globals()
-_STRINGS = {"UNICODE", "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "STRING", "BINSTRING", "SHORT_BINSTRING"}
+_STRINGS = {"UNICODE", "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8"}
+_STRINGS |= {"STRING", "BINSTRING", "SHORT_BINSTRING"}
 _GETS, _PUTS = {"GET", "BINGET", "LONG_BINGET"}, {"PUT", "BINPUT", "LONG_BINPUT"}
 _STILL = {"PROTO", "FRAME", "STOP"}  # leave the stack as it is
 
@@ -226,7 +227,7 @@ def weights_only_load(path: str | Path, map_location: object = None) -> object:
 
 def dcp_reason(folder: str | Path) -> tuple[str, str] | None:
     """None if a DCP folder's metadata and byte entries hold only data, else (file name, why not)."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+    from torch.distributed.checkpoint.metadata import MetadataIndex
 
     folder = Path(folder)
     if (folder / ".metadata").is_file() and (reason := _globals_reason(folder / ".metadata")) is not None:
@@ -238,18 +239,21 @@ def dcp_reason(folder: str | Path) -> tuple[str, str] | None:
         return ".metadata", str(exc)
     except Exception:  # missing or unreadable: DCP fails on it too, without running anything
         return None
-    storage = metadata.storage_data or {}
-    for key, entry in metadata.state_dict_metadata.items():
-        if not isinstance(entry, BytesStorageMetadata):
-            continue  # tensors: DCP reads them with weights_only=True
-        info = storage.get(MetadataIndex(fqn=key))
-        if info is None:
-            continue  # nothing to read: DCP fails on it without unpickling anything
-        with (folder / info.relative_path).open("rb") as f:
+    # every stored piece DCP would read: byte entries (unpickled freely) and tensors (torch.load
+    # with weights_only=True, scanned all the same: one rule for every pickle)
+    wanted = set(metadata.state_dict_metadata)
+    pieces = sorted((metadata.storage_data or {}).items(), key=lambda kv: str(kv[1].relative_path))
+    for index, info in pieces:
+        if not isinstance(index, MetadataIndex) or index.fqn not in wanted:
+            continue  # nothing asks for it: DCP never reads it
+        path = folder / info.relative_path
+        if not path.is_file():
+            continue  # DCP fails on it without unpickling anything
+        with path.open("rb") as f:
             f.seek(info.offset)
             reason = _globals_reason(f.read(info.length))
         if reason is not None:
-            return info.relative_path, f"entry {key!r} {reason}"
+            return info.relative_path, f"entry {index.fqn!r} {reason}"
     return None
 
 
@@ -277,13 +281,13 @@ def check_checkpoint(folder: str | Path) -> None:
     that names more than `ALLOWED_GLOBALS`; each DCP folder's byte entries are checked too.
 
     Every file is scanned whatever its name or first bytes (a loader does not ask either), but
-    safetensors files (never unpickled) and DCP's `.distcp` data files (their tensors are read
-    with `weights_only=True`, their byte entries through the `.metadata`, checked with it).
+    safetensors files (never unpickled); DCP's `.distcp` data files are scanned piece by piece
+    where their `.metadata` says each piece lies (that is all DCP reads of them).
     """
     folder = Path(folder)
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        if path.suffix == ".distcp":
-            continue
+        if path.suffix == ".distcp" and (path.parent / ".metadata").is_file():
+            continue  # read only where its .metadata points: checked piece by piece with it
         where, reason = path, _file_reason(path)
         if reason is None and path.name == ".metadata":
             found = dcp_reason(path.parent)

@@ -277,8 +277,8 @@ SECTIONS: list[tuple[str, list[Refusal]]] = [
             Refusal(
                 "a megatron checkpoint as --model whose metadata carries a pickle payload",
                 ("--model", "{tmp}/model"),
-                "--model {tmp}/model: refused, {tmp}/model/weights/.metadata would call posix.system when "
-                "read (DCP metadata holds data classes only)",
+                "--model {tmp}/model: refused, {tmp}/model/weights/.metadata is a pickle that would call "
+                "posix.system when loaded",
                 tested_by="tests/e2e/test_checkpoint_safety.py::test_a_megatron_checkpoint_as_model_carrying_a_payload_is_refused",
             ),
             Refusal(
