@@ -190,7 +190,7 @@ def pickle_globals(data: bytes) -> list[str]:
     """Every global the pickles in `data` name, read as an unpickler would: one pickle after
     another (torch's legacy format holds several), until the bytes stop being a pickle (an
     unpickler fails there, having called only what it named before)."""
-    f, found = io.BytesIO(data), []
+    f, found = io.BytesIO(data), list[str]()
     while f.tell() < len(data):
         try:
             _one_pickle(f, found)

@@ -201,7 +201,7 @@ def test_every_file_of_every_backend_carrying_a_payload_is_refused(
         want = f"{re.escape(kind)}{entry} is a pickle that would call posix.system when loaded"
         assert re.fullmatch(want, said), said
         if kind.endswith(".pt"):  # DeepSpeed's loader here: weights_only, so it would refuse too
-            with pytest.raises(pickle.UnpicklingError, match="posix.system"):
+            with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
                 safe_load.weights_only_load(copy / kind)
         assert not touched.exists(), kind
         (copy / kind).write_bytes(kept)

@@ -436,7 +436,7 @@ class DeepSpeedBackend:
         # gets ours (weights_only=True, the few data classes allowed), and nothing that would call
         # more than plain data types gets that far anyway (interlens_mcore.distributed.safe_load)
         check_checkpoint(folder / "deepspeed")
-        self.ds.checkpoint_engine.load = weights_only_load  # type: ignore[method-assign]  # all its reads
+        self.ds.checkpoint_engine.load = weights_only_load  # every read of its load_checkpoint
         # a LoRA checkpoint holds no frozen base weight: those stay as --model loaded them
         path, _ = self.ds.load_checkpoint(str(folder), tag="deepspeed", load_module_strict=self.lora is None)
         if path is None:

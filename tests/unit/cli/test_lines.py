@@ -55,5 +55,5 @@ def test_two_unbuffered_writers_on_one_pipe_keep_every_line_whole():
     lines = shared.stdout.read().splitlines()
     shared.wait(timeout=10)
     assert len(lines) == 600
-    whole = [line.startswith("rank ") and line.endswith("x" * 60) and line.count("rank") == 1 for line in lines]
+    whole = [ln.startswith("rank ") and ln.endswith("x" * 60) and ln.count("rank") == 1 for ln in lines]
     assert all(whole)
