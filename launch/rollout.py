@@ -34,6 +34,7 @@ from interlens_mcore.cli import (
 )
 from interlens_mcore.cli.args import SECTIONS, Args, LaunchConfig, UsageError, flag, parse, parser
 from interlens_mcore.cli.build import build_trainer, check, world_size
+from interlens_mcore.cli.lines import say
 from interlens_mcore.rollout.rollouter import RolloutConfig, whole_batch_advantages
 from trainers import checkpoint, rundir
 from trainers.config import BackendConfig
@@ -266,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         args, source = check(args)
     except UsageError as exc:
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"rollout.py: error: {exc}", file=sys.stderr)
+            say(f"rollout.py: error: {exc}")
         return 2
     import torch
 
@@ -287,8 +288,8 @@ def play(args: Args, source: Any, folder: Path | None, out: Path, said: str) -> 
     if distributed.rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
         f = (out / OUT_FILE).open("x")
-        print(f"rollout.py: {said}; writing {out / OUT_FILE}", file=sys.stderr, flush=True)
-        print(defaults.describe(args), file=sys.stderr, flush=True)  # the task's values, and why
+        say(f"rollout.py: {said}; writing {out / OUT_FILE}")
+        say(defaults.describe(args))  # the task's values, and why
         bar = progress_bar(rounds, desc="rollout")
     try:
         for step in range(rounds):
@@ -308,7 +309,7 @@ def play(args: Args, source: Any, folder: Path | None, out: Path, said: str) -> 
                 bar.set_postfix({"reward": fmt(mean, 3), "trajectories": written})
                 bar.update(1)
     except distributed.WorldFailure as exc:  # on every rank: its last line names the cause
-        print(f"rollout.py: error: {exc}", file=sys.stderr, flush=True)
+        say(f"rollout.py: error: {exc}")
         distributed.barrier_or_gone(trainer.world_check)
         return 1
     finally:
@@ -318,7 +319,7 @@ def play(args: Args, source: Any, folder: Path | None, out: Path, said: str) -> 
             f.close()
         trainer.close()  # a colocated vLLM shut down before the process groups go
     if distributed.rank() == 0:
-        print(f"wrote {written} trajectories to {out / OUT_FILE}", file=sys.stderr)
+        say(f"wrote {written} trajectories to {out / OUT_FILE}")
     return 0
 
 

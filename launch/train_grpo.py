@@ -30,6 +30,7 @@ from interlens_mcore.cli import (
 )
 from interlens_mcore.cli.args import UsageError, parse
 from interlens_mcore.cli.build import build_trainer, check
+from interlens_mcore.cli.lines import say
 from trainers import preemption, state
 from trainers.checkpoint import ResumeRefused
 from trainers.report import record
@@ -39,7 +40,7 @@ from trainers.rundir import RunDirError
 
 def _say(message: str) -> None:
     if os.environ.get("RANK", "0") == "0":
-        print(f"train_grpo.py: {' '.join(message.split())}", file=sys.stderr, flush=True)
+        say(f"train_grpo.py: {' '.join(message.split())}")
 
 
 def _refuse(message: str) -> int:
@@ -83,21 +84,21 @@ def _main(argv: list[str] | None) -> int:
         try:
             start = trainer.resume() if resume else 0  # a refusal here is the run's only line
             if distributed.rank() == 0:
-                print(defaults.describe(args), file=sys.stderr)  # what is not a plain default, and why
+                say(defaults.describe(args))  # what is not a plain default, and why
             if args.launch.eval_only:
                 return _evaluate_only(trainer, args.trainer.output_dir)
             if distributed.rank() == 0 and not args.launch.eval_only:
-                print(f"config: {trainer.run_info}", file=sys.stderr)
+                say(f"config: {trainer.run_info}")
                 slow = sizes.slow_bf16(args)
                 if slow:
-                    print(f"warning: {slow}", file=sys.stderr)
+                    say(f"warning: {slow}")
                 if start:
-                    print(f"resuming at step {start} of {args.trainer.steps}", file=sys.stderr)
+                    say(f"resuming at step {start} of {args.trainer.steps}")
             trainer.train()
         except (ResumeRefused, RunDirError, TooManyFailures) as exc:  # every rank raises it together
             return _refuse(str(exc))
         except distributed.WorldFailure as exc:  # on every rank: its last line names the cause
-            print(f"train_grpo.py: error: {exc}", file=sys.stderr, flush=True)
+            say(f"train_grpo.py: error: {exc}")
             # no rank leaves before every rank has said it (torchrun stops the others at the
             # first exit); a peer that is already gone ends the wait at once
             distributed.barrier_or_gone(trainer.world_check)

@@ -8,12 +8,12 @@ before anything in it is read or removed, so a resumption never touches a live r
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Protocol
 
 from interlens_mcore import distributed
+from interlens_mcore.cli.lines import say
 from interlens_mcore.distributed.safe_load import UnsafeCheckpoint, check_checkpoint
 
 from . import checkpoint, own_state, rundir
@@ -143,7 +143,7 @@ def resume(trainer: Persistent) -> int:
         if distributed.rank() == 0:
             kept = checkpoint.set_aside(root, root / name)
             r, why = failed[0]
-            print(f"checkpoint {name} does not load (rank {r}: {why}), kept as {kept}", file=sys.stderr)
+            say(f"checkpoint {name} does not load (rank {r}: {why}), kept as {kept}")
 
 
 def _load(trainer: Persistent, folder: Path) -> str | None:
@@ -177,7 +177,7 @@ def _choose(trainer: Persistent) -> tuple[str | None, str | None]:
     good, bad = checkpoint.newest_intact(root)
     then = f"resuming from {good.name}" if good is not None else "no intact checkpoint is left"
     for name, reason, kept in bad:
-        print(f"checkpoint {name} is corrupt ({reason}), kept as {kept}; {then}", file=sys.stderr)
+        say(f"checkpoint {name} is corrupt ({reason}), kept as {kept}; {then}")
     set_aside = checkpoint.corrupt(root)  # this run's and earlier runs' corrupt checkpoints
     if good is None and set_aside:
         return None, (

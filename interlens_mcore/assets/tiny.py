@@ -9,10 +9,9 @@ supervised phase, is in `warm_start`; SmolLM2, which is downloaded, in `smollm2`
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
+from . import folder
 from .chat_templates import with_tool_template
 
 # the template the folders were first built with; a build saves its tool-capable form (`chat_templates`)
@@ -21,15 +20,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-
-
-def publish(built: Path, path: Path) -> None:
-    """Move a finished asset folder into place; another process that finished first wins."""
-    try:
-        os.rename(built, path)
-    except OSError:
-        if not (path / "config.json").exists():
-            raise
 
 
 def default_asset_dir() -> Path:
@@ -111,22 +101,15 @@ def build_model(path: Path, tokenizer, *, arch: str = "qwen2", seed: int = 0, **
 
 
 def ensure_tiny_model(path: str | Path | None = None, *, arch: str = "qwen2", **overrides) -> Path:
-    """Build the tiny model + tokenizer folder once (atomically) and return its path."""
+    """Build the tiny model + tokenizer folder once (atomically; rebuilt if damaged) and return its path."""
     if path is None:
         suffix = "-".join(f"{k}{v}" for k, v in sorted(overrides.items()))
         path = default_asset_dir() / (f"tiny-{arch}" + (f"-{suffix}" if suffix else ""))
-    path = Path(path)
-    if (path / "config.json").exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
-    try:
-        tokenizer = build_tokenizer(tmp)
-        build_model(tmp, tokenizer, arch=arch, **overrides)
-        publish(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+
+    def build(tmp: Path) -> None:
+        build_model(tmp, build_tokenizer(tmp), arch=arch, **overrides)
+
+    return folder.ensure(Path(path), build)
 
 
 def build_classifier(path: Path, tokenizer, *, seed: int = 0):
@@ -156,25 +139,20 @@ def build_classifier(path: Path, tokenizer, *, seed: int = 0):
 
 
 def ensure_tiny_classifier(path: str | Path | None = None) -> Path:
-    """Build the tiny reward model + tokenizer folder once (atomically) and return its path."""
+    """Build the tiny reward model + tokenizer folder once (atomically; rebuilt if damaged); its path."""
     path = Path(path) if path is not None else default_asset_dir() / "tiny-reward-qwen2"
-    if (path / "config.json").exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
-    try:
+
+    def build(tmp: Path) -> None:
         build_classifier(tmp, build_tokenizer(tmp))
-        publish(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+
+    return folder.ensure(path, build)
 
 
 def load_tiny(path: str | Path | None = None, **kwargs):
     """(model, tokenizer) loaded through AutoModelForCausalLM / AutoTokenizer.from_pretrained."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = ensure_tiny_model(path, **kwargs)
-    tokenizer = with_tool_template(AutoTokenizer.from_pretrained(folder))  # a folder cached before it
-    model = AutoModelForCausalLM.from_pretrained(folder)
+    built = ensure_tiny_model(path, **kwargs)
+    tokenizer = with_tool_template(AutoTokenizer.from_pretrained(built))  # a folder cached before it
+    model = AutoModelForCausalLM.from_pretrained(built)
     return model, tokenizer

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -20,7 +18,8 @@ from ..rollout.costep import co_step
 from ..rollout.stop import MaxTurns
 from ..tasks.guess import GuessNumberTask, game_state, guess_tasks, reply_number
 from ..types import Message
-from .tiny import build_model, build_tokenizer, default_asset_dir, publish
+from . import folder
+from .tiny import build_model, build_tokenizer, default_asset_dir
 
 # bumped whenever the transcripts change for the same recipe (the game's answers, the guesser)
 WARM_START_VERSION = 1
@@ -154,17 +153,14 @@ def ensure_default_policy(path: str | Path | None = None, recipe: WarmStart = Wa
     move a quarter of the time and a uniformly random number otherwise, so the model learns to
     answer with a bare number of the range and leans a little toward the right move. At
     temperature 1 it solves about a third of the games (binary search solves all of them),
-    which leaves the strategy to reinforcement learning. Built once (atomically; 15 to 60 s on
-    one core), cached under `default_asset_dir()` in a folder named after the recipe.
+    which leaves the strategy to reinforcement learning. Built once (atomically, rebuilt if
+    damaged; 15 to 60 s on one core), cached under `default_asset_dir()` in a folder named after the recipe.
     """
     from transformers import AutoTokenizer
 
     path = Path(path) if path is not None else default_asset_dir() / recipe.tag
-    if (path / "config.json").exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
-    try:
+
+    def build(tmp: Path) -> None:
         model = build_model(tmp, build_tokenizer(tmp), seed=recipe.seed)
         # the tokenizer as every later user loads it: next to a Qwen2 config, AutoTokenizer
         # gives a Qwen2 tokenizer, whose pre-tokenizer splits numbers into single digits
@@ -176,7 +172,5 @@ def ensure_default_policy(path: str | Path | None = None, recipe: WarmStart = Wa
         model.save_pretrained(tmp)
         record = {**asdict(recipe), "loss_first": losses[0], "loss_last": losses[-1]}
         (tmp / "warm_start.json").write_text(json.dumps(record, indent=2))
-        publish(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+
+    return folder.ensure(path, build, (*folder.MODEL_FILES, "warm_start.json"))

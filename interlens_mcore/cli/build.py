@@ -33,18 +33,15 @@ def world_size() -> int:
 def model_folder(args: Args) -> Path:
     """--model: a folder, `smollm2`, or by default the warm-started tiny model (assets build once,
     atomically, so ranks may race)."""
-    from interlens_mcore.assets import ensure_default_policy
+    from interlens_mcore.assets import AssetUnavailable, ensure_default_policy, ensure_smollm2
 
-    if args.backend.model == "smollm2":
-        from interlens_mcore.assets import AssetUnavailable, ensure_smollm2
-
-        try:
-            return ensure_smollm2()
-        except AssetUnavailable as exc:
-            raise UsageError(f"--model smollm2: {exc}") from None
-    if args.backend.model in (None, "tiny"):
-        return ensure_default_policy()
-    return Path(args.backend.model)
+    name = args.backend.model
+    if name not in ("smollm2", None, "tiny"):
+        return Path(str(name))
+    try:  # a damaged cached asset is rebuilt; one that cannot be is named in the refusal
+        return ensure_smollm2() if name == "smollm2" else ensure_default_policy()
+    except AssetUnavailable as exc:
+        raise UsageError(f"--model {name or 'tiny'}: {exc}") from None
 
 
 def task_source(args: Args) -> TaskSource:

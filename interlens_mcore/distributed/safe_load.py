@@ -8,9 +8,12 @@ pickle remain, both written by libraries it uses:
   `dcp_metadata` reads it with an unpickler that resolves only DCP's metadata classes,
   `torch.Size`, dtypes, layouts and paths, and `DCPReader` is DCP's reader doing so;
 - files of `torch.save`: DCP loads tensors with `weights_only=True` (safe), but its byte entries
-  and DeepSpeed's `*_states.pt` with `weights_only=False`. `unsafe_globals` lists what a file
-  would call beyond torch's `weights_only` allowlist and `LIBRARY_GLOBALS`; `check_checkpoint`
-  refuses a folder holding any such file before a library loads it.
+  with `weights_only=False` (`dcp_planner` refuses them), and DeepSpeed its `*_states.pt`
+  (the backend hands it `weights_only_load` instead of its own `torch.load`).
+
+Before any loader sees a file, `check_checkpoint` walks every opcode of every pickle in it
+(`pickletools`, protocols 0 to 5: a raw pickle, torch's legacy format of successive pickles, or
+the `.pkl` entries of torch's zip format) and refuses a global outside `ALLOWED_GLOBALS`.
 
 What a check cannot cover: a file replaced between the check and the library's own read
 (whoever can write into the folder during a resume can change the code that runs, too).
@@ -18,8 +21,12 @@ What a check cannot cover: a file replaced between the check and the library's o
 
 from __future__ import annotations
 
+import _compat_pickle
+import importlib
 import io
 import pickle
+import pickletools
+import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -62,8 +69,23 @@ _DCP_CLASSES = {
     ("pathlib", "PurePosixPath"),
     ("collections", "OrderedDict"),
 }
-_PICKLE_PROTOCOLS = {bytes([0x80, p]) for p in range(2, 6)}
 _ZIP = b"PK\x03\x04"
+
+
+def _allowed_globals() -> frozenset[str]:
+    from torch._weights_only_unpickler import _get_allowed_globals
+
+    dcp = {f"{m}.{n}" for m, n in _DCP_CLASSES}
+    return frozenset(_get_allowed_globals()) | LIBRARY_GLOBALS | dcp
+
+
+# what a pickle in a checkpoint may name: torch's `weights_only` types (tensors, storages,
+# dtypes, plain containers), the libraries' data classes above and DCP's metadata classes
+ALLOWED_GLOBALS = _allowed_globals()
+_STRINGS = {"UNICODE", "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8"}
+_STRINGS |= {"STRING", "BINSTRING", "SHORT_BINSTRING"}
+_GETS, _PUTS = {"GET", "BINGET", "LONG_BINGET"}, {"PUT", "BINPUT", "LONG_BINPUT"}
+_STILL = {"PROTO", "FRAME", "STOP"}  # leave the stack as it is
 
 
 class UnsafeCheckpoint(ValueError):
@@ -132,18 +154,84 @@ def dcp_planner() -> DefaultLoadPlanner:
     return Planner()
 
 
+def _name(module: str, name: str) -> str:
+    # an unpickler maps Python 2 names of protocols 0 to 2 (`__builtin__`) to today's
+    module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
+    return f"{_compat_pickle.IMPORT_MAPPING.get(module, module)}.{name}"
+
+
+def _one_pickle(f: io.BytesIO, found: list[str]) -> None:
+    """Append every global the pickle at `f`'s position names (GLOBAL, INST, STACK_GLOBAL, EXT*).
+
+    STACK_GLOBAL takes its names from the stack: the last two values pushed, followed through the
+    memo; any other opcode leaves an unknown on top, so a name not pushed just before is '?'.
+    """
+    pushed: list[str | None] = []
+    memo: dict[object, str | None] = {}
+    for op, arg, _ in pickletools.genops(f):
+        if op.name in ("GLOBAL", "INST"):
+            found.append(_name(*str(arg).split(" ", 1)))
+        elif op.name == "STACK_GLOBAL":
+            module, name = pushed[-2:] if len(pushed) >= 2 else (None, None)
+            found.append(_name(module, name) if module is not None and name is not None else "?")
+        elif op.name.startswith("EXT"):
+            found.append(f"copyreg extension {arg}")
+        if op.name in _STRINGS:
+            pushed.append(arg.decode("latin-1") if isinstance(arg, bytes) else str(arg))
+        elif op.name in _GETS:
+            pushed.append(memo.get(arg))
+        elif op.name in _PUTS or op.name == "MEMOIZE":
+            memo[arg if op.name in _PUTS else len(memo)] = pushed[-1] if pushed else None
+        elif op.name not in _STILL:
+            pushed.append(None)
+
+
+def pickle_globals(data: bytes) -> list[str]:
+    """Every global the pickles in `data` name, read as an unpickler would: one pickle after
+    another (torch's legacy format holds several), until the bytes stop being a pickle (an
+    unpickler fails there, having called only what it named before)."""
+    f, found = io.BytesIO(data), list[str]()
+    while f.tell() < len(data):
+        try:
+            _one_pickle(f, found)
+        except Exception:  # pickletools' errors on bytes that are no pickle (ValueError and others)
+            break
+    return found
+
+
 def unsafe_globals(source: str | Path | bytes) -> list[str]:
-    """What loading a torch.save file with `weights_only=False` would call beyond the allowed types."""
-    f = io.BytesIO(source) if isinstance(source, bytes) else source
-    found = torch.serialization.get_unsafe_globals_in_checkpoint(f)
-    return sorted(set(found) - LIBRARY_GLOBALS)
+    """What loading a file (any pickle protocol, raw or torch.save) would name beyond `ALLOWED_GLOBALS`."""
+    data = source if isinstance(source, bytes) else Path(source).read_bytes()
+    if data[:4] == _ZIP:
+        found = []
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            for info in archive.infolist():
+                if info.filename.endswith(".pkl"):  # torch.load unpickles these, reads the rest raw
+                    found += pickle_globals(archive.read(info))
+    else:
+        found = pickle_globals(data)
+    seen: dict[str, None] = dict.fromkeys(g for g in found if g not in ALLOWED_GLOBALS)
+    return list(seen)
+
+
+def weights_only_load(path: str | Path, map_location: object = None) -> object:
+    """`torch.load` with `weights_only=True` and the libraries' data classes allowed (DeepSpeed's loader)."""
+    classes = []
+    for dotted in sorted(LIBRARY_GLOBALS):
+        module, name = dotted.rsplit(".", 1)
+        classes.append(getattr(importlib.import_module(module), name))
+    with torch.serialization.safe_globals(classes):
+        return torch.load(path, map_location=map_location, weights_only=True)  # type: ignore[arg-type]
+
 
 
 def dcp_reason(folder: str | Path) -> tuple[str, str] | None:
     """None if a DCP folder's metadata and byte entries hold only data, else (file name, why not)."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+    from torch.distributed.checkpoint.metadata import MetadataIndex
 
     folder = Path(folder)
+    if (folder / ".metadata").is_file() and (reason := _globals_reason(folder / ".metadata")) is not None:
+        return ".metadata", reason
     try:
         with (folder / ".metadata").open("rb") as f:
             metadata = _MetadataUnpickler(f).load()
@@ -151,18 +239,21 @@ def dcp_reason(folder: str | Path) -> tuple[str, str] | None:
         return ".metadata", str(exc)
     except Exception:  # missing or unreadable: DCP fails on it too, without running anything
         return None
-    storage = metadata.storage_data or {}
-    for key, entry in metadata.state_dict_metadata.items():
-        if not isinstance(entry, BytesStorageMetadata):
-            continue  # tensors: DCP reads them with weights_only=True
-        info = storage.get(MetadataIndex(fqn=key))
-        if info is None:
-            continue  # nothing to read: DCP fails on it without unpickling anything
-        with (folder / info.relative_path).open("rb") as f:
+    # every stored piece DCP would read: byte entries (unpickled freely) and tensors (torch.load
+    # with weights_only=True, scanned all the same: one rule for every pickle)
+    wanted = set(metadata.state_dict_metadata)
+    pieces = sorted((metadata.storage_data or {}).items(), key=lambda kv: str(kv[1].relative_path))
+    for index, info in pieces:
+        if not isinstance(index, MetadataIndex) or index.fqn not in wanted:
+            continue  # nothing asks for it: DCP never reads it
+        path = folder / info.relative_path
+        if not path.is_file():
+            continue  # DCP fails on it without unpickling anything
+        with path.open("rb") as f:
             f.seek(info.offset)
             reason = _globals_reason(f.read(info.length))
         if reason is not None:
-            return info.relative_path, f"entry {key!r} {reason}"
+            return info.relative_path, f"entry {index.fqn!r} {reason}"
     return None
 
 
@@ -174,32 +265,33 @@ def check_dcp(folder: str | Path) -> None:
 
 
 def _globals_reason(data: str | Path | bytes) -> str | None:
-    """None if `data` (a torch.save file) calls only allowed types, else why it is refused."""
+    """None if unpickling `data` (any protocol; raw, legacy torch or torch's zip) would name only
+    allowed types, else why it is refused."""
     try:
         bad = unsafe_globals(data)
-    except Exception:  # not a file torch can read: loading it fails, it cannot run anything
-        return None
+    except zipfile.BadZipFile:  # torch's own reader might still open it: not worth the doubt
+        return "is a zip archive that cannot be read whole (torch.save writes whole ones)"
     if not bad:
         return None
     return f"is a pickle that would call {', '.join(bad)} when loaded"
 
 
 def check_checkpoint(folder: str | Path) -> None:
-    """UnsafeCheckpoint naming the file if any file a loader would unpickle holds more than data.
+    """UnsafeCheckpoint naming the file and the global if any file under `folder` holds a pickle
+    that names more than `ALLOWED_GLOBALS`; each DCP folder's byte entries are checked too.
 
-    Every file under `folder` is looked at by its first bytes: a raw pickle is refused (nothing
-    this package reads is one, DCP's `.metadata` aside), a torch.save archive must call only
-    allowed types, and each DCP folder's metadata and byte entries are checked.
+    Every file is scanned whatever its name or first bytes (a loader does not ask either), but
+    safetensors files (never unpickled); DCP's `.distcp` data files are scanned piece by piece
+    where their `.metadata` says each piece lies (that is all DCP reads of them).
     """
     folder = Path(folder)
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        if path.suffix == ".distcp":
-            continue  # DCP's data files: read through their .metadata, checked with it
-        if path.name == ".metadata":
+        if path.suffix == ".distcp" and (path.parent / ".metadata").is_file():
+            continue  # read only where its .metadata points: checked piece by piece with it
+        where, reason = path, _file_reason(path)
+        if reason is None and path.name == ".metadata":
             found = dcp_reason(path.parent)
             where, reason = (path.parent / found[0], found[1]) if found else (path, None)
-        else:
-            where, reason = path, _file_reason(path)
         if reason is not None:
             raise UnsafeCheckpoint(f"{where.relative_to(folder).as_posix()} {reason}")
 
@@ -207,9 +299,7 @@ def check_checkpoint(folder: str | Path) -> None:
 def _file_reason(path: Path) -> str | None:
     with path.open("rb") as f:
         head = f.read(9)
-    if head[:2] in _PICKLE_PROTOCOLS and not _safetensors(head, path):
-        return "is a raw pickle, which nothing here reads"
-    return _globals_reason(path) if head[:4] == _ZIP else None
+    return None if _safetensors(head, path) else _globals_reason(path)
 
 
 def _safetensors(head: bytes, path: Path) -> bool:

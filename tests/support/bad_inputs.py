@@ -284,8 +284,8 @@ SECTIONS: list[tuple[str, list[Refusal]]] = [
             Refusal(
                 "a megatron checkpoint as --model whose metadata carries a pickle payload",
                 ("--model", "{tmp}/model"),
-                "--model {tmp}/model: refused, {tmp}/model/weights/.metadata would call posix.system when "
-                "read (DCP metadata holds data classes only)",
+                "--model {tmp}/model: refused, {tmp}/model/weights/.metadata is a pickle that would call "
+                "posix.system when loaded",
                 tested_by="tests/e2e/test_checkpoint_safety.py::test_a_megatron_checkpoint_as_model_carrying_a_payload_is_refused",
             ),
             Refusal(
@@ -530,6 +530,16 @@ SECTIONS: list[tuple[str, list[Refusal]]] = [
                 "checkpoints this version wrote, or train into a new --output-dir (a checkpoint's weights "
                 "load as --model)",
                 tested_by="tests/e2e/test_checkpoint_safety.py::test_resume_refuses_a_checkpoint_carrying_a_payload",
+            ),
+            Refusal(
+                "--resume from a DeepSpeed checkpoint whose states file is a protocol 0 pickle payload",
+                ("--backend", "deepspeed", "--zero-stage", "1", "--output-dir", "{tmp}/run", "--resume"),
+                "checkpoint {tmp}/run/checkpoints/step-000002 is refused: "
+                "deepspeed/zero_pp_rank_0_mp_rank_00_optim_states.pt is a pickle that would call "
+                "posix.system when loaded; nothing of it was loaded. Resume only from checkpoints this "
+                "version wrote, or train into a new --output-dir (a checkpoint's weights load as --model)",
+                tested_by="tests/e2e/test_checkpoint_safety.py"
+                "::test_resume_refuses_a_deepspeed_state_of_protocol_0_carrying_a_payload",
             ),
             Refusal(
                 "a --reward-funcs name that is neither built in nor in a plugin's orms",

@@ -39,7 +39,7 @@ from torch.utils.file_baton import FileBaton
 from transformers import PreTrainedTokenizerBase
 
 from interlens_mcore import distributed
-from interlens_mcore.distributed.safe_load import check_checkpoint
+from interlens_mcore.distributed.safe_load import check_checkpoint, weights_only_load
 from interlens_mcore.engines.base import Engine
 from interlens_mcore.engines.hf import HFEngine
 from interlens_mcore.engines.prefix_cache import PrefixCachingEngine
@@ -432,9 +432,11 @@ class DeepSpeedBackend:
             self.reference.save_pretrained(folder / REFERENCE_DIR, safe_serialization=True)
 
     def load(self, folder: Path) -> None:
-        # DeepSpeed reads its files with torch.load(weights_only=False): nothing that would call
-        # more than plain data types gets that far (interlens_mcore.safe_load)
+        # DeepSpeed's own loader reads its files with torch.load(weights_only=False): its engine
+        # gets ours (weights_only=True, the few data classes allowed), and nothing that would call
+        # more than plain data types gets that far anyway (interlens_mcore.distributed.safe_load)
         check_checkpoint(folder / "deepspeed")
+        self.ds.checkpoint_engine.load = weights_only_load  # every read of its load_checkpoint
         # a LoRA checkpoint holds no frozen base weight: those stay as --model loaded them
         path, _ = self.ds.load_checkpoint(str(folder), tag="deepspeed", load_module_strict=self.lora is None)
         if path is None:
