@@ -56,6 +56,11 @@ def kill_all(proc: subprocess.Popen) -> None:
 _warm: list[WarmLauncher] = []
 
 
+def _asked(environ: dict[str, str], extra_env: dict[str, str]) -> dict[str, str]:
+    """What a run sets on purpose: the test's own variables and those `env` sets."""
+    return {k: environ[k] for k in {*extra_env, "PYTHONPATH", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM"}}
+
+
 def _warm_launcher() -> WarmLauncher:
     """This session's warm launcher (support.warm), started on first use."""
     if not _warm:
@@ -82,7 +87,7 @@ def torchrun(
     environ = env(**extra_env)
     if warm and not cold():
         launcher = _warm_launcher()
-        if not differs_at_import(environ, launcher.environ):
+        if not differs_at_import(_asked(environ, extra_env), launcher.environ):
             done = launcher.run(script, list(args), nproc, environ, cwd, timeout)
             if done is not None:
                 return done
@@ -150,7 +155,7 @@ def python(
     environ = env(**extra_env)
     if warm and not cold():
         launcher = _warm_launcher()
-        if not differs_at_import(environ, launcher.environ):
+        if not differs_at_import(_asked(environ, extra_env), launcher.environ):
             done = launcher.run(TRAIN, list(args), 1, environ, ROOT, timeout, torchrun=False)
             if done is not None:
                 return done
