@@ -35,7 +35,8 @@ def build_trainer(
     from trl import GRPOConfig, GRPOTrainer
 
     rollouts = TRLRollouts(
-        source, config=RolloutConfig(num_generations=1, max_new_tokens=max_new_tokens, on_sample_error="raise")
+        source,
+        config=RolloutConfig(num_generations=1, max_new_tokens=max_new_tokens, on_sample_error="raise"),
     )
     args = GRPOConfig(
         output_dir=output_dir,

@@ -70,7 +70,8 @@ def env_reward(completions: Sequence[object], env_reward: Sequence[float], **_: 
 def trl_fields(trajectories: Sequence[Trajectory]) -> dict[str, list[Any]]:
     """What TRL's `rollout_func` returns for these trajectories, one entry each, in order."""
     out: dict[str, list[Any]] = {
-        k: [] for k in ("prompt_ids", "completion_ids", "logprobs", "env_mask", "env_reward", "success", "turns")
+        k: []
+        for k in ("prompt_ids", "completion_ids", "logprobs", "env_mask", "env_reward", "success", "turns")
     }
     out["env_infos"] = []
     for t in trajectories:
@@ -90,7 +91,9 @@ def trl_fields(trajectories: Sequence[Trajectory]) -> dict[str, list[Any]]:
         out["env_reward"].append(float(t.infos.env_reward or 0.0))
         out["success"].append(t.infos.success)
         out["turns"].append(t.infos.turns)
-        out["env_infos"].append({"status": t.status.value, "stop_reason": t.infos.stop_reason, **t.infos.extra})
+        out["env_infos"].append(
+            {"status": t.status.value, "stop_reason": t.infos.stop_reason, **t.infos.extra}
+        )
     return out
 
 
@@ -142,8 +145,8 @@ class TRLRollouts:
             row = p[0].get(ROW_KEY) if p and isinstance(p[0], dict) else None
             if not isinstance(row, int) or not 0 <= row < len(self._rows):
                 raise ValueError(
-                    f"prompt {str(p)[:80]!r} carries no row of this TRLRollouts ({ROW_KEY!r} in its messages): "
-                    "train on TRLRollouts.dataset(n)"
+                    f"prompt {str(p)[:80]!r} carries no row of this TRLRollouts ({ROW_KEY!r} in its "
+                    "messages): train on TRLRollouts.dataset(n)"
                 )
             rows.append(self._rows[row])
         return rows

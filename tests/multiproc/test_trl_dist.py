@@ -18,7 +18,9 @@ JOB = Path(__file__).with_name("trl_job.py")
 
 
 def test_three_steps_uneven_turns(tiny_path, tmp_path):
-    done = torchrun(str(tiny_path), str(tmp_path), "train", script=JOB, timeout=180, TRL_EXPERIMENTAL_SILENCE="1")
+    done = torchrun(
+        str(tiny_path), str(tmp_path), "train", script=JOB, timeout=180, TRL_EXPERIMENTAL_SILENCE="1"
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
     for r in ranks:
@@ -34,7 +36,9 @@ def test_three_steps_uneven_turns(tiny_path, tmp_path):
 
 
 def test_one_rank_environment_error_ends_both(tiny_path, tmp_path):
-    done = torchrun(str(tiny_path), str(tmp_path), "raise", script=JOB, timeout=180, TRL_EXPERIMENTAL_SILENCE="1")
+    done = torchrun(
+        str(tiny_path), str(tmp_path), "raise", script=JOB, timeout=180, TRL_EXPERIMENTAL_SILENCE="1"
+    )
     assert done.returncode != 0
     named = "rollout failed on 1 rank(s): rank 1: RuntimeError: the game master broke on purpose"
     # the same named error on both ranks, not a hang on rank 0

@@ -10,6 +10,7 @@ returned. raise: rank 1's game master raises at its first reply.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,9 +46,7 @@ class BrokenGuess(GuessTasks):
 
 
 def main(model: str, out: Path, mode: str) -> None:
-    import torch.distributed as dist  # the job reads its rank; the library never does outside distributed/
-
-    rank = int(__import__("os").environ["RANK"])
+    rank = int(os.environ["RANK"])  # torchrun's
     if mode == "raise":
         source = BrokenGuess() if rank == 1 else GuessTasks()
     else:
@@ -78,14 +77,14 @@ def main(model: str, out: Path, mode: str) -> None:
         mine = sorted(zip(ours["prompt_ids"], ours["completion_ids"], ours["env_mask"]))
         step = {"same": theirs == [tuple(x) for x in mine], "samples": len(theirs)}
         # the policy's own logprobs of the same tokens, recomputed by a full forward
-        net = t_model = trainer.accelerator.unwrap_model(model_)
+        net = trainer.accelerator.unwrap_model(model_)
         full = torch.cat([inputs["prompt_ids"], ids], 1)
         att = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
         with torch.no_grad():
             was = net.training
             net.eval()
             pos = (att.cumsum(1) - 1).clamp(min=0)
-            logits = t_model(input_ids=full, attention_mask=att, position_ids=pos).logits.float()
+            logits = net(input_ids=full, attention_mask=att, position_ids=pos).logits.float()
             net.train(was)
         p = inputs["prompt_ids"].shape[1]
         lp = torch.log_softmax(logits[:, p - 1 : -1], -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
@@ -98,7 +97,6 @@ def main(model: str, out: Path, mode: str) -> None:
     trainer.compute_loss = spy
     trainer.train()
     (out / f"rank-{rank}.json").write_text(json.dumps({"rank": rank, "steps": seen}))
-    dist.barrier()
 
 
 if __name__ == "__main__":

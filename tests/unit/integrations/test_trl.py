@@ -29,10 +29,14 @@ def trainer_of(tiny, step=0):
 
 
 def rollouts_of(spec, args=None):
-    return TRLRollouts(resolve_task(spec, args or {}), config=RolloutConfig(num_generations=1, max_new_tokens=4))
+    return TRLRollouts(
+        resolve_task(spec, args or {}), config=RolloutConfig(num_generations=1, max_new_tokens=4)
+    )
 
 
-@pytest.mark.parametrize(("spec", "args"), [("guess", {}), ("reasoning_gym:basic_arithmetic", {"max_attempts": 2})])
+@pytest.mark.parametrize(
+    ("spec", "args"), [("guess", {}), ("reasoning_gym:basic_arithmetic", {"max_attempts": 2})]
+)
 def test_fields_for_trl_from_two_sources(tiny, spec, args):
     rollouts = rollouts_of(spec, args)
     data = rollouts.dataset(3)
@@ -51,7 +55,9 @@ def test_fields_for_trl_from_two_sources(tiny, spec, args):
 def test_env_mask_and_logprobs_match_our_training_batch(tiny):
     rollouts = rollouts_of("guess", {"max_guesses": 3})
     data = rollouts.dataset(2)
-    trajectories = rollouts.source.run(rollouts.rollouter(trainer_of(tiny)), rollouts.rows_of(data["prompt"]), 0)
+    trajectories = rollouts.source.run(
+        rollouts.rollouter(trainer_of(tiny)), rollouts.rows_of(data["prompt"]), 0
+    )
     trajectories = trajectories.trajectories
     assert max(t.infos.turns for t in trajectories) > 2  # environment replies inside the completion
     out = trl_fields(trajectories)
