@@ -36,8 +36,15 @@ def test_three_steps_uneven_turns(tiny_path, tmp_path):
 
 
 def test_one_rank_environment_error_ends_both(tiny_path, tmp_path):
+    # the real torchrun: its `[rankN]:` prefix tells which rank said each line
     done = torchrun(
-        str(tiny_path), str(tmp_path), "raise", script=JOB, timeout=180, TRL_EXPERIMENTAL_SILENCE="1"
+        str(tiny_path),
+        str(tmp_path),
+        "raise",
+        script=JOB,
+        timeout=180,
+        warm=False,
+        TRL_EXPERIMENTAL_SILENCE="1",
     )
     assert done.returncode != 0
     named = "rollout failed on 1 rank(s): rank 1: RuntimeError: the game master broke on purpose"
