@@ -39,7 +39,7 @@ def parse_demonstration(line: str, where: str) -> list[Message]:
     expected = 'a JSON list of {"role": ..., "content": "..."} messages with at least one assistant turn'
     try:
         data = json.loads(line)
-    except ValueError as exc:
+    except json.JSONDecodeError as exc:
         raise BadDemonstration(f"{where}: not JSON ({exc.msg}); expected {expected}") from None
     if not isinstance(data, list) or not data:
         raise BadDemonstration(f"{where}: got {type(data).__name__}; expected {expected}")
