@@ -118,3 +118,17 @@ def test_demos_script_writes_jsonl_and_refuses_a_task_without_a_solver(tmp_path,
     assert len(read_demonstrations(out)) == 5
     assert main(["--task", "duel", "--n", "5", "--out", str(tmp_path / "x.jsonl")]) == 2
     assert "has no demonstrations" in capsys.readouterr().err
+
+
+def test_reasoning_gym_demonstrations_score_one(tmp_path):
+    from interlens_mcore.tasks.registry import resolve_task
+
+    source = resolve_task("reasoning_gym:leg_counting")
+    demos = source.demonstrations(8, seed=1)
+    parsed = read_demonstrations(
+        tmp_path.joinpath("r.jsonl").write_text("".join(json.dumps(d) + "\n" for d in demos))
+        and tmp_path / "r.jsonl"
+    )
+    for task, messages in zip(source.rows(8, seed=1), parsed, strict=True):
+        assert messages[-1].content.startswith("<answer>")
+        assert task.judge(messages[-1].content)[1] == 1.0  # the verifier accepts the row's own answer
