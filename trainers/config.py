@@ -154,7 +154,7 @@ class TrainerConfig:
         default=None,
         metadata={
             "help": "JSONL of demonstration conversations (one OpenAI message list a line): supervised "
-            "steps on the assistant turns before the first GRPO step (docs/guide.md, cold start)"
+            "steps on the assistant turns before the first GRPO step (docs/tasks.md, Demonstrations)"
         },
     )
     sft_steps: int = field(default=100, metadata={"help": "--sft-data: supervised optimizer steps"})

@@ -165,13 +165,9 @@ def environment_source(args: Args) -> TaskSource:
         ("--system-prompt", la.system_prompt is not None),
     ):
         if given:
-            why = (
-                "needs --dataset (its rows reach reset(**row))"
-                if flag == "--dataset"
-                else (
-                    f"and {flag} both make the conversations (drop one; a system message goes in the "
-                    "dataset's prompt column)"
-                )
+            why = "needs --dataset (its rows reach reset(**row))" if flag == "--dataset" else (
+                f"and {flag} both make the conversations (drop one; a system message goes in the "
+                "dataset's prompt column)"
             )
             raise ValueError(f"--environment-factory {why}")
     assert la.dataset is not None  # checked above
