@@ -150,6 +150,27 @@ class TrainerConfig:
             "a second signal stops at once"
         },
     )
+    sft_data: str | None = field(
+        default=None,
+        metadata={
+            "help": "JSONL of demonstration conversations (one OpenAI message list a line): supervised "
+            "steps on the assistant turns before the first GRPO step (docs/tasks.md, Demonstrations)"
+        },
+    )
+    sft_steps: int = field(default=100, metadata={"help": "--sft-data: supervised optimizer steps"})
+    sft_lr: float = field(
+        default=1e-5, metadata={"help": "--sft-data: AdamW learning rate of the supervised steps"}
+    )
+    sft_batch_size: int = field(
+        default=8, metadata={"help": "--sft-data: demonstrations per supervised step, per DP rank"}
+    )
+    ref_from: Literal["policy", "base"] = field(
+        default="policy",
+        metadata={
+            "help": "with --sft-data and --beta > 0: the KL reference is the warmed-up policy (policy) "
+            "or the --model weights (base); with LoRA it is always the base model"
+        },
+    )
     max_failed_fraction: float = field(
         default=0.5,
         metadata={
@@ -159,13 +180,16 @@ class TrainerConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.steps < (0 if self.sft_data else 1):  # 0: the supervised warm-up alone
+            raise ValueError(f"TrainerConfig.steps must be >= 1 (>= 0 with --sft-data), got {self.steps}")
         for name in (
-            "steps",
             "batch_size",
             "updates_per_rollout",
             "save_every",
             "save_total_limit",
             "eval_size",
+            "sft_steps",
+            "sft_batch_size",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainerConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -183,6 +207,8 @@ class TrainerConfig:
                 raise ValueError(f"TrainerConfig.{name} must be a finite number, got {getattr(self, name)}")
         if not self.lr > 0:
             raise ValueError(f"TrainerConfig.lr must be > 0, got {self.lr}")
+        if not 0 < self.sft_lr < float("inf"):
+            raise ValueError(f"TrainerConfig.sft_lr must be a finite number > 0, got {self.sft_lr}")
         if not self.grad_clip > 0:
             raise ValueError(f"TrainerConfig.grad_clip must be > 0, got {self.grad_clip}")
         self._check_schedule()

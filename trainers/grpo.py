@@ -84,6 +84,12 @@ def describe_run(
     }
 
 
+def supervised_steps_left(cfg: TrainerConfig, *, step: int, sft_step: int) -> int:
+    """--sft-data: the supervised steps still to run. A run cut during the phase continues it; one
+    cut after it (a GRPO step done, or the phase's last step saved) does not redo it."""
+    return max(cfg.sft_steps - sft_step, 0) if cfg.sft_data and step == 0 else 0
+
+
 class GRPOTrainer:
     """GRPO on multi-turn rollouts; see the module docstring for one step."""
 
@@ -168,6 +174,7 @@ class GRPOTrainer:
         )
         self.run_info = {**described, **(run_info or {}), "output_dir": str(self.output_dir)}
         self.step, self.skipped_steps, self.resumed = 0, 0, False
+        self.sft_step = 0  # --sft-data: supervised steps done (checkpointed)
         self.claim: state.FolderClaim | None = None  # the output folder, once taken
         self.stop = preemption.StopRequest(config.save_on_signal)  # SIGTERM / SIGINT: save and stop
         self.health = HealthCheck(max_new_tokens=self.rollout_config.max_new_tokens)
@@ -227,6 +234,9 @@ class GRPOTrainer:
         self.say, self.warn = report.note, report.warn
         self.stop.start()
         try:
+            if supervised_steps_left(cfg, step=self.step, sft_step=self.sft_step):
+                with distributed.stage(f"supervised step {self.sft_step}"):
+                    self.supervised_phase(report)
             while self.step < cfg.steps and not self.stop.agreed(self.world_check):
                 with distributed.stage(f"step {self.step}"):
                     records.append(self.step_and_log(report))
@@ -248,6 +258,51 @@ class GRPOTrainer:
             self.stop.finish()
             state.release_output_dir(self)
         return records
+
+    def supervised_phase(self, report: Reporter) -> None:
+        """--sft-data: the rest of the supervised warm-up, then the KL reference set to its weights
+        (unless --ref-from base, or LoRA, whose reference is the base model with adapters off)."""
+        from interlens_mcore.chat import ChatFormat
+
+        from .sft import SupervisedPhase, demonstration_trajectories, read_demonstrations
+
+        cfg = self.config
+        assert cfg.sft_data is not None
+        phase = SupervisedPhase(
+            trajectories=demonstration_trajectories(
+                ChatFormat(self.tokenizer), read_demonstrations(cfg.sft_data)
+            ),
+            steps=cfg.sft_steps,
+            batch_size=cfg.sft_batch_size,
+            lr=cfg.sft_lr,
+        )
+
+        def save(done: int) -> None:
+            self.sft_step = done
+            if done == cfg.sft_steps:  # the warmed-up policy becomes the reference before it is saved
+                self.reference_from_policy()
+            with distributed.stage("checkpoint"):
+                state.save_checkpoint(self)
+
+        self.say(f"supervised warm-up: {len(phase.trajectories)} demonstrations")
+        phase.run(
+            self.backend,
+            self.groups,
+            start=self.sft_step,
+            pad_id=pad_id(self.tokenizer),
+            log=report.log_sft,
+            save=save,
+            save_every=cfg.save_every,
+        )
+        self.backend.sync_engine_weights()
+
+    def reference_from_policy(self) -> None:
+        mix = getattr(self.backend, "mix_reference", None)
+        if self.config.ref_from != "policy" or not self.backend.has_reference or mix is None:
+            return
+        if getattr(self.backend, "_adapters_off_reference", False):
+            return  # LoRA: the reference is the base model itself
+        mix(1.0)
 
     def step_and_log(self, report: Reporter) -> dict:
         """One step of the loop: evaluation when due, the step, its record, a checkpoint when due."""

@@ -38,9 +38,12 @@ class TrainerState:
     numpy_rng: list  # np.random.get_state(): [name, 624 keys, pos, has_gauss, cached_gaussian]
     torch_rng: torch.Tensor  # [5056] uint8, torch.get_rng_state()
     kl_coef: float | None = None  # --kl-in-reward: the coefficient the next step uses
+    sft_step: int = 0  # --sft-data: supervised steps done (a resumed run neither redoes nor skips them)
 
     @classmethod
-    def capture(cls, *, step: int, skipped_steps: int, kl_coef: float | None = None) -> TrainerState:
+    def capture(
+        cls, *, step: int, skipped_steps: int, kl_coef: float | None = None, sft_step: int = 0
+    ) -> TrainerState:
         version, internal, gauss = random.getstate()
         name, keys, pos, has_gauss, cached = np.random.get_state()
         return cls(
@@ -50,6 +53,7 @@ class TrainerState:
             numpy_rng=[name, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)],
             torch_rng=torch.get_rng_state(),
             kl_coef=kl_coef,
+            sft_step=sft_step,
         )
 
     def restore(self) -> None:
@@ -70,6 +74,7 @@ class TrainerState:
             "python_rng": self.python_rng,
             "numpy_rng": self.numpy_rng,
             **({} if self.kl_coef is None else {"kl_coef": self.kl_coef}),
+            "sft_step": self.sft_step,
         }
         (folder / json_name(rank)).write_text(json.dumps(data))
         save_file({"torch_rng": self.torch_rng.contiguous()}, str(folder / tensors_name(rank)))
@@ -102,6 +107,7 @@ def read(folder: Path, rank: int) -> TrainerState:
         numpy_rng=data["numpy_rng"],
         torch_rng=torch_rng,
         kl_coef=data.get("kl_coef"),
+        sft_step=data.get("sft_step", 0),
     )
 
 
@@ -111,8 +117,8 @@ def _malformed(data: dict, torch_rng: torch.Tensor) -> str | None:
     def ints(xs: object, n: int) -> bool:
         return isinstance(xs, list) and len(xs) == n and all(type(x) is int for x in xs)
 
-    for name in ("step", "skipped_steps"):
-        value = data.get(name)
+    for name in ("step", "skipped_steps", "sft_step"):
+        value = data.get(name, 0)
         if type(value) is not int or value < 0:
             return f"{name} must be an integer >= 0, got {value!r}"
     py = data.get("python_rng")

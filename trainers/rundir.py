@@ -21,6 +21,7 @@ RUN_FILE, LOCK_FILE = "run.json", ".lock"
 LAST_CHECKPOINT_FILE = "last_checkpoint.json"
 RESUMABLE = {
     "steps",
+    "sft_steps",  # like steps: a resumed warm-up may run longer (once GRPO began it is never redone)
     "output_dir",
     "save_every",
     "save_total_limit",

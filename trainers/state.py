@@ -34,6 +34,7 @@ class Persistent(Protocol):
     step: int
     skipped_steps: int
     kl_control: KLController | None
+    sft_step: int
     resumed: bool
     claim: FolderClaim | None
 
@@ -89,7 +90,7 @@ def save_checkpoint(trainer: Persistent) -> Path:
         trainer.backend.save(folder)
         coef = trainer.kl_control.value if trainer.kl_control is not None else None
         own = own_state.TrainerState.capture(
-            step=trainer.step, skipped_steps=trainer.skipped_steps, kl_coef=coef
+            step=trainer.step, skipped_steps=trainer.skipped_steps, kl_coef=coef, sft_step=trainer.sft_step
         )
         own.write(folder, trainer.groups.rank)
 
@@ -156,7 +157,7 @@ def _load(trainer: Persistent, folder: Path) -> str | None:
     except (Exception, CheckpointException) as exc:  # reported to every rank: set aside
         return _describe(exc)
     own.restore()
-    trainer.step, trainer.skipped_steps = own.step, own.skipped_steps
+    trainer.step, trainer.skipped_steps, trainer.sft_step = own.step, own.skipped_steps, own.sft_step
     if trainer.kl_control is not None and own.kl_coef is not None:  # an adapted coefficient goes on
         trainer.kl_control.value = own.kl_coef
     return None

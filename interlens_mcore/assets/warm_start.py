@@ -71,10 +71,10 @@ class Guesser(Environment):
         return str((state.low + state.high) // 2)
 
 
-def guess_transcripts(n: int, *, seed: int, binary_share: float) -> list[list[Message]]:
+def guess_transcripts(n: int, *, seed: int, binary_share: float, **task_args: object) -> list[list[Message]]:
     """`n` games of guess-a-number played by a `Guesser`, as message lists (prompt included)."""
     convs = []
-    for i, task in enumerate(guess_tasks(n, seed=seed)):
+    for i, task in enumerate(guess_tasks(n, seed=seed, **task_args)):
         guesser = Guesser(task, binary_share, seed=seed * 1_000_003 + i)
         lineup: list[Participant] = [guesser, task.environment()]
         convs.append(Conversation(lineup, prompt=task.prompt(), run_until=MaxTurns(task.max_turns)))

@@ -347,6 +347,13 @@ def check(args: Args) -> tuple[Args, TaskSource]:
             check_dcp(folder / "weights")
         except UnsafeCheckpoint as exc:
             raise UsageError(f"--model {b.model}: refused, {exc}") from None
+    if t.sft_data:  # every line checked before any process group exists: one line names the bad one
+        from trainers.sft import BadDemonstration, read_demonstrations
+
+        try:
+            read_demonstrations(t.sft_data)
+        except BadDemonstration as exc:
+            raise UsageError(str(exc)) from None
     if t.sync_ref_model and not args.loss.beta > 0:
         raise UsageError(
             f"--sync-ref-model moves the KL reference, and --beta {args.loss.beta:g} keeps none: "

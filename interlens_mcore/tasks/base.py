@@ -82,6 +82,11 @@ class TaskSource(ABC):
         """
         return []
 
+    def demonstrations(self, n: int, *, seed: int) -> list[list[dict[str, str]]]:
+        """`n` conversations of the task's own solver in OpenAI message form (prompt included), for
+        a supervised warm-up (`--sft-data`, `launch/demos.py`); a source without a solver has none."""
+        raise NotImplementedError(f"task source {self.name!r} has no demonstrations(n, seed) of its own")
+
     def scheduler(self) -> object | None:
         """A `MultiTurnScheduler` selects the scheduler path; its rows are message lists or dicts.
 

@@ -286,6 +286,19 @@ class ReasoningGymSource(TaskSource):
     def eval_rows(self, n: int, *, seed: int) -> list[ReasoningTask]:
         return self._draw(n, seed, evaluation=True)
 
+    def demonstrations(self, n: int, *, seed: int) -> list[list[dict[str, str]]]:
+        """The rows' own answers in the task's answer format (their working, where a row gives one,
+        is not shown: reasoning-gym keeps it in free-form metadata)."""
+        out = []
+        for task in self.rows(n, seed=seed):
+            rule, answer = task.options.rule, str(task.entry["answer"])
+            reply = f"<{rule.tag}>{answer}</{rule.tag}>" if rule.tag else answer
+            out.append(
+                [{"role": m.role, "content": m.content} for m in task.prompt()]
+                + [{"role": "assistant", "content": reply}]
+            )
+        return out
+
     def option_defaults(self) -> dict[str, object]:
         # room for a short working and `<answer>...</answer>` (6 tokens cannot hold the tags)
         return {**PRETRAINED_ON_CPU, "max_new_tokens": 48}

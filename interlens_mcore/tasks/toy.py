@@ -27,6 +27,13 @@ class GuessTasks(TaskSource):
     def eval_rows(self, n: int, *, seed: int) -> list:
         return guess_tasks(n, seed=seed ^ _EVAL_SEED, **self.task_args)
 
+    def demonstrations(self, n: int, *, seed: int) -> list[list[dict[str, str]]]:
+        """Games won by binary search (the warm-start `Guesser` always playing the halving move)."""
+        from ..assets.warm_start import guess_transcripts
+
+        games = guess_transcripts(n, seed=seed, binary_share=1.0, **self.task_args)
+        return [[{"role": m.role, "content": m.content} for m in game] for game in games]
+
     def describe(self) -> dict[str, object]:
         return {"name": self.name, **self.task_args}
 

@@ -55,8 +55,9 @@ def _invalid(v: float, _: int) -> str:
     return (
         f"{v:.0%} of samples ended on invalid moves or actions (invalid/ended_fraction): the policy "
         "does not answer in the task's move format; read its replies in completions.jsonl "
-        "(--log-completions-every 1), raise --max-new-tokens if they are cut, or start from an "
-        "instruction-tuned model (--model)"
+        "(--log-completions-every 1), raise --max-new-tokens if they are cut, start with a supervised "
+        "warm-up on demonstrations in that format (--sft-data, e.g. from launch/demos.py), or start "
+        "from an instruction-tuned model (--model)"
     )
 
 
@@ -69,7 +70,8 @@ def _clipped(v: float, max_new_tokens: int) -> str:
 
 def _no_tools(v: float, _: int) -> str:
     return (
-        f"the policy calls no tool (tool/calls_per_sample {v:.2f}) although --tools offers them; use a "
+        f"the policy calls no tool (tool/calls_per_sample {v:.2f}) although --tools offers them; warm it "
+        "up on demonstrations of calls (--sft-data, e.g. from launch/demos.py), use a "
         "model tuned for tool calling (--model), and check in completions.jsonl that its chat "
         "template shows the tools"
     )

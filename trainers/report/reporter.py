@@ -150,6 +150,27 @@ class Reporter:
             self.bar.set_postfix(postfix)
             self.bar.update(1)
 
+    def log_sft(self, record: dict) -> None:
+        """A supervised warm-up step (`sft_step`, `sft/` figures): a line of metrics.jsonl at the run's
+        step 0, tensorboard and wandb along `sft_step` (the GRPO steps' own axis is untouched), and
+        the progress bar's postfix."""
+        if not self.enabled:
+            return
+        with (self.out / METRICS_FILE).open("a") as f:
+            f.write(json.dumps({"step": self.start, **record}) + "\n")
+        numbers = {k: v for k, v in record.items() if k.startswith("sft/") and isinstance(v, (int, float))}
+        if self.tb is not None:
+            for key, value in numbers.items():
+                self.tb.add_scalar(key, value, record["sft_step"])
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log({**numbers, "sft_step": record["sft_step"]})
+        if self.bar is not None:
+            loss, tokens = record.get("sft/loss"), record.get("sft/tokens")
+            self.bar.set_postfix_str(
+                f"sft step {record['sft_step']}: loss {fmt(loss, 4)}, {fmt(tokens, 0)} tokens"
+            )
+
     def note(self, text: str) -> None:
         """What the run is doing now, beside the progress bar until the step's record replaces it."""
         if self.bar is not None:  # set whenever enabled
