@@ -251,7 +251,13 @@ def dcp_reason(folder: str | Path) -> tuple[str, str] | None:
             continue  # DCP fails on it without unpickling anything
         with path.open("rb") as f:
             f.seek(info.offset)
-            reason = _globals_reason(f.read(info.length))
+            data = f.read(info.length)
+        if len(data) < info.length and data[:4] == _ZIP:
+            # cut short: a zip's directory is at its end, so neither this scan nor torch's reader
+            # can open it, and DCP's load fails before anything is unpickled (the checkpoint is
+            # then set aside as one that does not load). A short raw pickle is still scanned.
+            continue
+        reason = _globals_reason(data)
         if reason is not None:
             return info.relative_path, f"entry {index.fqn!r} {reason}"
     return None
