@@ -29,5 +29,8 @@ fi
 export INTERLENS_ASSETS="${INTERLENS_ASSETS:-$PWD/.assets}"  # the tiny model is built here once
 # DeepSpeed compiles its CPU communication op on first use: keep this environment's build apart
 export TORCH_EXTENSIONS_DIR="$PWD/.venv-vllm/torch_extensions"
+# vLLM's engine starts in each rank: every rank and launch of this stage starts cold, as a user's
+# does, rather than forked from a process that imported the training stack (tests/support/warm.py)
+export INTERLENS_TESTS_COLD=1
 # the project is imported from the work tree, not installed: its pins would pull transformers back
 PYTHONPATH="$PWD" .venv-vllm/bin/python -m pytest -q tests/vllm_stage

@@ -7,6 +7,3 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-# vLLM's engine is started in each rank: every rank and launch of this stage starts cold, as a
-# user's does, rather than forked from a process that imported the training stack
-os.environ.setdefault("INTERLENS_TESTS_COLD", "1")
