@@ -7,6 +7,7 @@
 - `smollm2`: SmolLM2-135M-Instruct from the GGUF file in a package of the registry.
 """
 
+from ..tasks.guess import Guesser, guess_transcripts  # the transcripts' player, beside its game
 from .smollm2 import AssetUnavailable, ensure_smollm2
 from .tiny import (
     build_classifier,
@@ -18,10 +19,8 @@ from .tiny import (
     load_tiny,
 )
 from .warm_start import (
-    Guesser,
     WarmStart,
     ensure_default_policy,
-    guess_transcripts,
     supervised_phase,
     transcript_ids,
 )

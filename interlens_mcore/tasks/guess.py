@@ -34,6 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..rollout.conversation import Conversation, Environment, Participant, Policy
+from ..rollout.costep import co_step
+from ..rollout.stop import MaxTurns
 from ..types import Message
 
 _NUMBER = re.compile(r"-?\d+")
@@ -160,3 +162,31 @@ class GuessNumber(Environment):
 
     def reward(self, conv: Conversation) -> float:
         return game_reward(self.task, game_state(self.task, self._guesses(conv)))
+
+
+class Guesser(Environment):
+    """Plays the policy's seat of guess-a-number from a script: the binary-search move with
+    probability `binary_share`, else a uniformly random number of the range (answers ignored)."""
+
+    name, role = "policy", "assistant"
+
+    def __init__(self, task: GuessNumberTask, binary_share: float, *, seed: int):
+        self.task, self.binary_share, self.rng = task, binary_share, random.Random(seed)
+
+    def respond(self, conv: Conversation) -> str:
+        t = self.task
+        if self.rng.random() >= self.binary_share:
+            return str(self.rng.randint(t.low, t.high))
+        state = game_state(t, [reply_number(m.content) for m in conv.messages if m.speaker == self.name])
+        return str((state.low + state.high) // 2)
+
+
+def guess_transcripts(n: int, *, seed: int, binary_share: float, **task_args: object) -> list[list[Message]]:
+    """`n` games of guess-a-number played by a `Guesser`, as message lists (prompt included)."""
+    convs = []
+    for i, task in enumerate(guess_tasks(n, seed=seed, **task_args)):
+        guesser = Guesser(task, binary_share, seed=seed * 1_000_003 + i)
+        lineup: list[Participant] = [guesser, task.environment()]
+        convs.append(Conversation(lineup, prompt=task.prompt(), run_until=MaxTurns(task.max_turns)))
+    co_step(convs, turns=None)
+    return [[*c.prompt, *c.messages] for c in convs]

@@ -7,7 +7,7 @@ from typing import Literal
 
 from .base import TaskSource
 from .duel import SEATS, duel_tasks
-from .guess import guess_tasks
+from .guess import guess_tasks, guess_transcripts
 
 _EVAL_SEED = 0x5EED_E7A1  # evaluation rows come from a seed no training step uses
 
@@ -28,9 +28,7 @@ class GuessTasks(TaskSource):
         return guess_tasks(n, seed=seed ^ _EVAL_SEED, **self.task_args)
 
     def demonstrations(self, n: int, *, seed: int) -> list[list[dict[str, str]]]:
-        """Games won by binary search (the warm-start `Guesser` always playing the halving move)."""
-        from ..assets.warm_start import guess_transcripts
-
+        """Games won by binary search (the `Guesser` always playing the halving move)."""
         games = guess_transcripts(n, seed=seed, binary_share=1.0, **self.task_args)
         return [[{"role": m.role, "content": m.content} for m in game] for game in games]
 
