@@ -101,16 +101,19 @@ def startup_seconds(repeats: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def section(label: str, cases: list[Case], wall_s: float | None, startup_s: float, loads: str) -> str:
+def section(label: str, cases: list[Case], wall_s: float | None, startup_s: float | None, loads: str) -> str:
     """The markdown of one measured run."""
     total = sum(c.seconds for c in cases)
     counts = {o: sum(c.outcome == o for c in cases) for o in ("passed", "failed", "skipped")}
     lines = [f"## {label}", ""]
     wall = f"{wall_s / 60:.1f} min wall, " if wall_s is not None else ""
+    launch = "launches not counted"
+    if startup_s is not None:
+        launch = f"one launch of the training stack: {startup_s:.1f} s"
     lines.append(
         f"{len(cases)} tests ({counts['passed']} passed, {counts['failed']} failed, "
         f"{counts['skipped']} skipped), "
-        f"{wall}{total / 60:.1f} min in tests; one launch of the training stack: {startup_s:.1f} s; "
+        f"{wall}{total / 60:.1f} min in tests; {launch}; "
         f"load average {loads}."
     )
     lines += [
@@ -121,7 +124,7 @@ def section(label: str, cases: list[Case], wall_s: float | None, startup_s: floa
     for tier in sorted({c.tier for c in cases}):
         group = [c for c in cases if c.tier == tier]
         minutes = sum(c.seconds for c in group) / 60
-        if any(c.launches is None for c in group):
+        if startup_s is None or any(c.launches is None for c in group):
             lines.append(f"| {tier} | {len(group)} | {minutes:.1f} | not counted | |")
             continue
         launches = sum(c.launches or 0 for c in group)
@@ -136,7 +139,7 @@ def section(label: str, cases: list[Case], wall_s: float | None, startup_s: floa
         "|---|---|---|---|---|",
     ]
     for c in sorted(cases, key=lambda c: -c.seconds)[:TOP]:
-        if c.launches is None:
+        if startup_s is None or c.launches is None:
             lines.append(f"| {c.seconds:.1f} | | | | `{c.test}` |")
             continue
         start = min(c.seconds, c.launches * startup_s)
@@ -189,7 +192,8 @@ def main() -> None:
         loads = f"{before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
     if args.log is None:
         cases = read_report(args.xml)
-    body = section(args.label, cases, wall, startup_seconds(), loads or "not recorded")
+    counted = any(c.launches is not None for c in cases)  # else no start-up to charge them
+    body = section(args.label, cases, wall, startup_seconds() if counted else None, loads or "not recorded")
     write(args.label, body)
     print(body)
 
