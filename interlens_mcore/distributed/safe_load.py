@@ -252,10 +252,11 @@ def dcp_reason(folder: str | Path) -> tuple[str, str] | None:
         with path.open("rb") as f:
             f.seek(info.offset)
             data = f.read(info.length)
-        if len(data) < info.length and data[:4] == _ZIP:
-            # cut short: a zip's directory is at its end, so neither this scan nor torch's reader
-            # can open it, and DCP's load fails before anything is unpickled (the checkpoint is
-            # then set aside as one that does not load). A short raw pickle is still scanned.
+        if len(data) < info.length and data[:4] == _ZIP and not zipfile.is_zipfile(io.BytesIO(data)):
+            # a zip cut short: its directory is at its end, so neither this scan nor torch's
+            # reader can open it, and DCP's load fails before anything is unpickled (the
+            # checkpoint is then set aside as one that does not load). A short zip that opens
+            # whole, and a short raw pickle, are scanned as any other piece.
             continue
         reason = _globals_reason(data)
         if reason is not None:
