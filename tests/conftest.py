@@ -51,7 +51,8 @@ def smollm2_path():
 
 
 # `python tests/durations.py` sets this: each test's report then carries how many processes it
-# started (subprocess.Popen, torchrun's launcher among them, and multiprocessing's spawned ranks),
+# started (subprocess.Popen, torchrun's launcher among them, and multiprocessing's ranks: those the
+# preloaded forkserver starts are warm, so they overstate start-up),
 # which is how tests/DURATIONS.md tells start-up cost apart from work
 if os.environ.get("INTERLENS_COUNT_LAUNCHES") == "1":
     import multiprocessing.process

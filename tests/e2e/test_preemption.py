@@ -15,7 +15,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from support.launch import ROOT, SMALL, TRAIN, children, env, kill_all, metrics, torchrun
+
+# the slow stage: the real torchrun agent's signals, restarts and kills (seconds of cold launches
+# each); .ci/run runs it after the README's command
+pytestmark = pytest.mark.slow
 
 RUN = ROOT / "launch" / "run.py"
 STEPS = 30

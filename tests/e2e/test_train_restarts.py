@@ -87,6 +87,7 @@ def clean_faulty_run(tmp_path_factory):
     return metrics(tmp / "run")
 
 
+@pytest.mark.slow  # the real torchrun agent restarting workers: the slow stage
 def test_killed_worker_restarts_and_reaches_the_same_metrics(tmp_path, clean_faulty_run):
     (tmp_path / "faulty.py").write_text(FAULTY)
     killed = tmp_path / "killed"
@@ -109,6 +110,7 @@ def test_killed_worker_restarts_and_reaches_the_same_metrics(tmp_path, clean_fau
     assert [r["reward_mean"] for r in done] == [r["reward_mean"] for r in clean_faulty_run]
 
 
+@pytest.mark.slow  # the real torchrun agent restarting workers: the slow stage
 def test_two_nodes_run_the_job_and_restart_a_lost_nodes_worker(tmp_path, clean_faulty_run):
     # launch/multinode.sh once a "node", one worker each, a c10d rendezvous: the vote and the
     # world checks go across nodes; the worker of the node holding rank 1 is killed at step 3 on
@@ -127,6 +129,7 @@ def test_two_nodes_run_the_job_and_restart_a_lost_nodes_worker(tmp_path, clean_f
     assert [r["reward_mean"] for r in records] == [r["reward_mean"] for r in clean_faulty_run]
 
 
+@pytest.mark.slow  # the real torchrun agent restarting workers: the slow stage
 def test_a_failure_on_another_node_is_every_ranks_last_line(tmp_path):
     (tmp_path / "faulty.py").write_text(FAULTY)
     args = ["--task", "faulty:make", "--output-dir", str(tmp_path / "run"), "--steps", "5", *SMALL]

@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from support.launch import (
     ROOT,
     SMALL,
@@ -49,6 +50,7 @@ def _state(pid: int) -> str:
         return "Z"
 
 
+@pytest.mark.slow  # a killed or concurrent real torchrun: the slow stage
 def test_resume_after_sigkill(tmp_path):
     out = tmp_path / "run"
     proc = _start(out)
@@ -104,6 +106,7 @@ def test_resume_with_changed_options_is_refused(tmp_path):
     ) in res.stderr.splitlines()
 
 
+@pytest.mark.slow  # a killed or concurrent real torchrun: the slow stage
 def test_second_writer_is_refused(tmp_path):
     out = tmp_path / "run"
     proc = _start(out, steps=1000)  # still running when the second launch arrives
@@ -144,6 +147,7 @@ def test_a_refused_resume_touches_nothing_of_the_live_run(tmp_path):
     assert [r["step"] for r in metrics(out)] == [0, 1]
 
 
+@pytest.mark.slow  # a killed or concurrent real torchrun: the slow stage
 def test_resume_auto_refused_by_a_live_run_stays_refused_when_restarted(tmp_path):
     # the second of two `--resume auto` runs in one folder, under torchrun --max-restarts: its
     # restart must not resume the first run once that one finished (here: let go of the folder)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from support.launch import ROOT, SMALL, TRAIN, env, kill_all, metrics, python, torchrun, trained
 from support.verifiers_envs import write
 
@@ -67,6 +68,7 @@ def test_flags_that_do_not_reach_the_environment_are_refused(tmp_path):
     assert res.returncode == 2 and "--agent would replace them" in res.stderr
 
 
+@pytest.mark.slow  # Ctrl-C to a real torchrun: the slow stage
 def test_ctrl_c_still_saves_the_step(tmp_path):
     # verifiers installs its own SIGINT handler (teardown, then KeyboardInterrupt) when the
     # environment is built; the trainer's, which finishes the step and saves it, must be the one
