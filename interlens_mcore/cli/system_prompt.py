@@ -91,6 +91,13 @@ class SystemPromptSource(TaskSource):
     def eval_rows(self, n: int, *, seed: int) -> list[object]:
         return self._wrap(self.source.eval_rows(n, seed=seed))
 
+    def demonstrations(self, n: int, *, seed: int) -> list[list[dict[str, str]]]:
+        """The source's demonstrations opening with the system prompt, as its rows do."""
+        return [
+            cast(list[dict[str, str]], with_system_messages(d, self.text, self.source.name))
+            for d in self.source.demonstrations(n, seed=seed)
+        ]
+
     def scheduler(self) -> object | None:
         return self.source.scheduler()
 

@@ -258,6 +258,60 @@ class GymEnvironment(Environment):
         return self.total
 
 
+def plan(env: Any, gamma: float = 0.99, tol: float = 1e-6) -> list[int]:
+    """The best action in each state of a toy-text environment with a transition table
+    (`env.unwrapped.P`: FrozenLake, Taxi, CliffWalking), by value iteration on expected returns.
+
+    With a discount below 1 the best action of a deterministic game is the first move of a
+    shortest path to the best outcome (the goal, a delivery), which is what a breadth-first
+    search finds; on slippery ice it is the move most likely to get there.
+    """
+    import numpy as np
+
+    table = getattr(env.unwrapped, "P", None)
+    if not isinstance(table, dict):
+        raise NotImplementedError(
+            f"gym: {env.spec.id if env.spec else env} has no transition table to plan on"
+        )
+    states, actions = len(table), len(table[0])
+    width = max(len(table[s][a]) for s in range(states) for a in range(actions))
+    prob = np.zeros((states, actions, width))
+    after = np.zeros((states, actions, width), dtype=np.int64)
+    gain = np.zeros((states, actions, width))
+    going = np.zeros((states, actions, width))  # 1 where the outcome does not end the episode
+    for s in range(states):
+        for a in range(actions):
+            for k, (p, s2, r, done) in enumerate(table[s][a]):
+                prob[s, a, k], after[s, a, k], gain[s, a, k], going[s, a, k] = p, int(s2), r, not done
+    value = np.zeros(states)
+    for _ in range(100_000):
+        q = (prob * (gain + gamma * going * value[after])).sum(axis=2)
+        best = q.max(axis=1)
+        if np.abs(best - value).max() < tol:
+            break
+        value = best
+    return [int(a) for a in q.argmax(axis=1)]
+
+
+def demonstration(task: GymTask, policy: list[int]) -> list[dict[str, str]] | None:
+    """One episode played by `policy` (state -> action) in the task's move format, as OpenAI
+    messages: the prompt, then each move and the environment's answer; None if it missed the goal."""
+    game, tag = task.game, task.options.action_tag
+    env, obs = task.make()
+    messages = [{"role": m.role, "content": m.content} for m in task.prompt()]
+    try:
+        for _ in range(task.max_steps):
+            action = policy[int(obs)]
+            messages.append({"role": "assistant", "content": f"<{tag}>{game.actions[action]}</{tag}>"})
+            obs, reward, terminated, truncated, _ = env.step(action)
+            if terminated or truncated:
+                return messages if game.success(float(reward), bool(terminated)) else None
+            messages.append({"role": "user", "content": game.render(env, obs)})
+        return None  # out of steps
+    finally:
+        env.close()
+
+
 class GymSource(TaskSource):
     """Episodes of one gymnasium toy-text environment."""
 
@@ -287,6 +341,33 @@ class GymSource(TaskSource):
 
     def eval_rows(self, n: int, *, seed: int) -> list[GymTask]:
         return self._draw(n, seed, evaluation=True)
+
+    def demonstrations(self, n: int, *, seed: int) -> list[list[dict[str, str]]]:
+        """Training episodes played to the goal by the best policy (`plan`: a shortest path on
+        FrozenLake, CliffWalking and Taxi), each move as `<action>NAME</action>` and each answer
+        as the environment renders it; episodes that miss the goal (slippery ice) are left out."""
+        if not self.env_id.startswith(("FrozenLake", "Taxi", "CliffWalking")):
+            raise NotImplementedError(
+                f"{self.name} has no demonstrations: only FrozenLake, Taxi and CliffWalking have a "
+                "transition table to plan a path on"
+            )
+        plans: dict[str, list[int]] = {}  # one per map: a random-map FrozenLake draws its own
+        out: list[list[dict[str, str]]] = []
+        tried = 0
+        for batch in range(1, 64):
+            for task in self.rows(n * batch, seed=seed)[tried:]:
+                env, _ = task.make()
+                key = str(env.unwrapped.desc.tolist()) if hasattr(env.unwrapped, "desc") else ""
+                if key not in plans:
+                    plans[key] = plan(env)
+                env.close()
+                demo = demonstration(task, plans[key])
+                if demo is not None:
+                    out.append(demo)
+                    if len(out) == n:
+                        return out
+            tried = n * batch
+        raise ValueError(f"{self.name}: {len(out)} of {tried} planned episodes reached the goal; wanted {n}")
 
     def option_defaults(self) -> dict[str, object]:
         return {

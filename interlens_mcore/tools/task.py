@@ -12,6 +12,8 @@ policy cannot write a tool's answer itself.
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
@@ -24,6 +26,7 @@ from .parser import HermesParser, ToolCallParser
 from .pool import WorkerLimits
 from .render import tools_system_text
 from .tool import Tool, as_tools
+from .worker import run_call
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -137,6 +140,39 @@ class ToolTaskSource(TaskSource):
     def eval_rows(self, n: int, *, seed: int) -> list[ToolTask]:
         return self._wrap(self.source.eval_rows(n, seed=seed))
 
+    def demonstrations(self, n: int, *, seed: int) -> list[list[dict[str, str]]]:
+        """The wrapped source's demonstrations with a tool call before each answer: the arithmetic
+        expression of the question (its first user message) passed to the tool whose one argument
+        is `expression` (`examples:calculator`, `examples:python_eval`), the tool's result as a
+        `tool` message, then the source's own answer; the opening presents the tools as a rollout's
+        does. A question without an expression, or whose expression the tool does not evaluate to
+        an answer the reply holds, is left out."""
+        tool = next((t for t in self.tools if _one_argument(t) == "expression"), None)
+        parser = self.options.parser
+        if tool is None or not isinstance(parser, HermesParser):
+            raise NotImplementedError(
+                f"{self.name}: demonstrations call a tool taking one `expression` argument (as "
+                f"interlens_mcore.tools.examples:calculator does) in the <tool_call> format; the tools "
+                f"here are {[t.name for t in self.tools]}"
+            )
+        schemas = [t.schema for t in self.tools]
+        out: list[list[dict[str, str]]] = []
+        for want in (n, 2 * n, 4 * n, 8 * n):
+            out = []
+            for demo in self.source.demonstrations(want, seed=seed):
+                shown = _with_call(demo, tool, parser, self.options.max_result_chars)
+                if shown is not None:
+                    system = shown[0]["content"] if shown[0]["role"] == "system" else None
+                    text = tools_system_text(self.tokenizer, schemas, system)
+                    opening = {"role": "system", "content": text}
+                    out.append([opening, *(m for m in shown if m["role"] != "system")])
+                    if len(out) == n:
+                        return out
+        raise ValueError(
+            f"{self.name}: {len(out)} of {8 * n} questions hold an arithmetic expression that "
+            f"{tool.name!r} evaluates to the answer; wanted {n}"
+        )
+
     def describe(self) -> dict[str, object]:
         o = self.options
         return {
@@ -147,6 +183,40 @@ class ToolTaskSource(TaskSource):
             "tool_timeout_s": o.tool_timeout_s,
             "isolation": o.isolation,
         }
+
+
+# a number, and then at least one operator and number, with parentheses around any of them
+_NUMBER = r"\(*\s*-?\d+(?:\.\d+)?\s*\)*"
+_EXPRESSION = re.compile(rf"{_NUMBER}(?:\s*(?:\*\*|//|[-+*/%])\s*{_NUMBER})+")
+
+
+def _one_argument(tool: Tool) -> str | None:
+    """The name of the tool's only argument, or None if it takes none or several."""
+    names = list(tool.schema["function"].get("parameters", {}).get("properties", {}))
+    return names[0] if len(names) == 1 else None
+
+
+def _with_call(
+    demo: list[dict[str, str]], tool: Tool, parser: HermesParser, max_chars: int
+) -> list[dict[str, str]] | None:
+    """`demo` with a call of `tool` on its question's expression before its last reply (the
+    answer), or None if the question holds none or the result is not in that reply."""
+    question = next((m["content"] for m in demo if m["role"] == "user"), "")
+    found = [m.group().strip() for m in _EXPRESSION.finditer(question)]
+    if not found or demo[-1]["role"] != "assistant":
+        return None
+    expression = max(found, key=len)
+    ok, result = run_call(tool.name, tool.fn, {"expression": expression})
+    result, reply = result[:max_chars], demo[-1]["content"]
+    if not ok or result.strip() not in {reply.strip(), *(t.strip() for t in re.findall(r">([^<]*)<", reply))}:
+        return None
+    call = json.dumps({"name": tool.name, "arguments": {"expression": expression}})
+    return [
+        *demo[:-1],
+        {"role": "assistant", "content": f"{parser.open_tag}{call}{parser.close_tag}"},
+        {"role": "tool", "content": result},
+        demo[-1],
+    ]
 
 
 def with_tools(

@@ -117,3 +117,58 @@ def test_tiny_model_rollout(tiny, env_id):
         [t] = scored(c)
         assert 1 <= c.infos["steps"] <= 2 and c.infos["invalid_actions"] <= c.infos["steps"]
         assert t.infos["env_reward"] == c.infos["return"] and len(t.turns) == c.infos["steps"]
+
+
+@pytest.mark.parametrize(
+    "env_id,kwargs,moves",
+    [
+        ("FrozenLake-v1", {"is_slippery": False}, {6}),  # the 4x4 map's shortest path: 6 moves
+        ("CliffWalking-v1", {}, {13}),  # up, 11 to the right along the cliff, down
+        ("Taxi-v4", {}, set(range(2, 21))),  # to the passenger, pickup, to the destination, dropoff
+    ],
+)
+def test_planned_demonstrations_replay_to_the_goal(tiny, env_id, kwargs, moves):
+    src = gym_tasks.source(env_id, **kwargs)
+    demos = src.demonstrations(3, seed=4)
+    for row, demo in zip(src.rows(3, seed=4), demos, strict=True):  # deterministic: every episode wins
+        assert demo[: len(row.prompt())] == [{"role": m.role, "content": m.content} for m in row.prompt()]
+        replies = [m["content"] for m in demo if m["role"] == "assistant"]
+        assert all(r.startswith("<action>") and r.endswith("</action>") for r in replies)
+        _, conv = _episode(tiny, src, replies, seed=4)
+        # the rollout's own environment agrees: the goal, in as many moves, each answer as shown
+        assert conv.infos["success"] == 1.0 and conv.stop_reason == "goal" and len(replies) in moves
+        assert conv.infos["invalid_actions"] == 0 and conv.infos["steps"] == len(replies)
+        shown = [m.content for m in conv.messages if m.speaker == "env"]  # the goal ends it: no answer
+        assert shown == [m["content"] for m in demo[len(row.prompt()) :] if m["role"] == "user"]
+        break  # _episode plays the first row of the seed; the others are checked by plan below
+
+
+def test_planned_demonstrations_on_slippery_ice_and_random_maps():
+    lake = gym_tasks.source("FrozenLake-v1")  # slippery: only the episodes that reached the goal
+    demos = lake.demonstrations(4, seed=0)
+    assert len(demos) == 4 and all(d[-1]["role"] == "assistant" for d in demos)
+    maps = gym_tasks.source("FrozenLake-v1", random_map=True, is_slippery=False)
+    assert len({d[0]["content"] for d in maps.demonstrations(4, seed=0)}) > 1  # one plan per map
+    with pytest.raises(NotImplementedError, match="only FrozenLake, Taxi and CliffWalking"):
+        gym_tasks.source("Blackjack-v1").demonstrations(2, seed=0)
+
+
+def test_plan_is_a_shortest_path_on_every_state():
+    import gymnasium
+
+    env = gymnasium.make("FrozenLake-v1", is_slippery=False)
+    best = gym_tasks.plan(env)
+    table = env.unwrapped.P
+
+    def steps_to_goal(state: int) -> int | None:
+        for k in range(1, 30):
+            state, reward, done = table[state][best[state]][0][1:]
+            if done:
+                return k if reward > 0 else None
+        return None
+
+    # the 4x4 map: start 0, goal 15; each reachable state's plan walks a Manhattan path home
+    for state in (0, 1, 4, 8, 9, 10, 13, 14):
+        row, col = divmod(state, 4)
+        assert steps_to_goal(state) == (3 - row) + (3 - col)
+    env.close()

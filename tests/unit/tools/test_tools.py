@@ -334,3 +334,43 @@ def test_a_row_system_message_joins_the_tools_preamble(tmp_path):
         opening[0].content.startswith("be terse\n\nYou may call tools.")
         and '"calculator"' in opening[0].content
     )
+
+
+def test_calculator_demonstrations_call_the_tool_then_answer(tiny):
+    from interlens_mcore.tasks import reasoning_gym as rg
+
+    src = with_tools(rg.source("basic_arithmetic"), [calculator], tokenizer=tiny[1], isolation="thread")
+    demos = src.demonstrations(6, seed=2)
+    rows = {r.prompt()[-1].content: r for r in src.rows(48, seed=2)}
+    assert len(demos) == 6
+    for demo in demos:
+        row = rows[demo[1]["content"]]  # the question, as the row asks it
+        # the opening presents the tools exactly as the rollout's does
+        assert demo[0] == {"role": "system", "content": row.prompt()[0].content}
+        assert [m["role"] for m in demo] == ["system", "user", "assistant", "tool", "assistant"]
+        [parsed] = HermesParser().parse(demo[2]["content"]).calls
+        assert parsed.name == "calculator" and set(parsed.arguments) == {"expression"}
+        assert demo[3]["content"] == calculator(parsed.arguments["expression"])
+        replies = [demo[2]["content"], demo[4]["content"]]
+        conv = play([row], ScriptEngine(tiny[1], {"row0": replies}), tiny[1])[0]
+        # the rollout runs the same call to the same result, and the row's rule scores the answer 1
+        assert conv.messages[1].content == demo[3]["content"] and conv.infos["success"] == 1.0
+        assert conv.infos["tool_valid_calls"] == 1
+
+
+def test_demonstrations_need_an_expression_tool(tiny):
+    from interlens_mcore.tasks import reasoning_gym as rg
+
+    src = with_tools(rg.source("basic_arithmetic"), [python_eval], tokenizer=tiny[1], isolation="thread")
+    assert len(src.demonstrations(2, seed=0)) == 2  # python_eval takes one `expression` too
+
+    def lookup(key: str) -> str:
+        """Look a key up.
+
+        Args:
+            key: the key
+        """
+        return key
+
+    with pytest.raises(NotImplementedError, match="one `expression` argument"):
+        with_tools(rg.source("basic_arithmetic"), [lookup], isolation="thread").demonstrations(2, seed=0)

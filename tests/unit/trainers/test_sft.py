@@ -118,6 +118,21 @@ def test_demos_script_writes_jsonl_and_refuses_a_task_without_a_solver(tmp_path,
     assert len(read_demonstrations(out)) == 5
     assert main(["--task", "duel", "--n", "5", "--out", str(tmp_path / "x.jsonl")]) == 2
     assert "has no demonstrations" in capsys.readouterr().err
+    assert main(["--task", "guess", "--n", "5", "--out", str(out), "--num-generatoins", "4"]) == 2
+    assert "--num-generatoins" in capsys.readouterr().err  # train_grpo.py's parser names the flag
+    assert main(["--task", "guess", "--n", "5"]) == 2 and "--out FILE" in capsys.readouterr().err
+    # train_grpo.py's options: the demonstrations open as that run's rollouts do
+    calc = tmp_path / "calc.jsonl"
+    tools = "interlens_mcore.tools.examples:calculator"
+    argv = ["--n", "4", "--out", str(calc), "--task", "reasoning_gym:basic_arithmetic", "--model", "tiny",
+            "--system-prompt", "Show your work.", "--tools", tools]  # fmt: skip
+    assert main(argv) == 0
+    demos = [json.loads(line) for line in calc.read_text().splitlines()]
+    assert len(demos) == 4 and len(read_demonstrations(calc)) == 4
+    for demo in demos:
+        assert [m["role"] for m in demo] == ["system", "user", "assistant", "tool", "assistant"]
+        assert "calculator" in demo[0]["content"] and "Show your work." in demo[0]["content"]
+        assert demo[2]["content"].startswith("<tool_call>") and demo[4]["content"].startswith("<answer>")
 
 
 def test_reasoning_gym_demonstrations_score_one(tmp_path):
