@@ -98,6 +98,7 @@ def test_newest_intact_sets_corrupt_ones_aside_and_retention_ignores_them(tmp_pa
     assert checkpoint.newest_intact(tmp_path) == (tmp_path / "step-000006", [])
 
 
+@pytest.mark.slow  # not a first path: the slow stage (README, Set-up)
 def test_resume_skips_a_corrupt_checkpoint(tmp_path):
     # --resume keeps --steps (a run's options are fixed), so the finished run's newest
     # checkpoint goes bad and the resume redoes steps 4 and 5 from the one before it
@@ -122,6 +123,7 @@ def test_resume_skips_a_corrupt_checkpoint(tmp_path):
     assert checkpoint.verify(ckpts / "step-000006") is None
 
 
+@pytest.mark.slow  # not a first path: the slow stage (README, Set-up)
 def test_resume_refuses_when_every_checkpoint_is_corrupt(tmp_path):
     out = tmp_path / "run"
     res = torchrun("--output-dir", str(out), "--steps", "2", *SMALL)
@@ -166,6 +168,7 @@ def _cut(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
+@pytest.mark.slow  # not a first path: the slow stage (README, Set-up)
 def test_resume_falls_back_past_an_unlisted_and_an_unloadable_checkpoint(tmp_path):
     out = tmp_path / "run"
     keep = ["--save-total-limit", "3"]  # steps 2, 4 and 6 are kept

@@ -48,6 +48,7 @@ def test_the_coefficient_follows_the_logged_kl(tmp_path, setup):
     _follows_the_controller(metrics(tmp_path))
 
 
+@pytest.mark.slow  # not a first path: the slow stage (README, Set-up)
 def test_a_resumed_run_goes_on_with_the_adapted_coefficient(tmp_path):
     args = ["--beta", "0.1", "--lr", "0.01", "--eval-every", "0", *ADAPTIVE, *SMALL]
     whole = torchrun(*args, "--steps", "4", "--output-dir", str(tmp_path / "whole"))

@@ -41,6 +41,7 @@ def test_lora_runs_save_adapters_and_resume(tmp_path):
     assert all(r["grad_norm"] > 0 for r in rows)
 
 
+@pytest.mark.slow  # not a first path: the slow stage (README, Set-up)
 def test_megatron_lora_at_tp2_and_pp2_trains_exports_and_converts_the_merged_model(tmp_path, tiny_path):
     out, hf, merged = tmp_path / "run", tmp_path / "hf", tmp_path / "merged"
     lora = ["--lora-rank", "8", "--lora-alpha", "16", "--lora-dropout", "0.0"]

@@ -65,6 +65,7 @@ def _exported(folder) -> dict:
     return out
 
 
+@pytest.mark.slow  # not a first path: the slow stage (README, Set-up)
 def test_pp2_trains_as_tp2_and_its_checkpoint_resumes_at_pp1(tmp_path):
     tp2 = _run(tmp_path / "tp2", "--tp", "2", "--export-hf", str(tmp_path / "tp2_hf"))
     pp2 = _run(tmp_path / "pp2", "--pp", "2", "--export-hf", str(tmp_path / "pp2_hf"))

@@ -12,7 +12,9 @@ BACKENDS = {
 }
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize(
+    "backend", [pytest.param(b, marks=[pytest.mark.slow] if "zero3" in b else []) for b in BACKENDS]
+)  # ZeRO-3: the slow stage
 def test_a_reference_moved_all_the_way_is_the_policy(tmp_path, backend):
     # alpha 1 after every step: the reference is the policy that generates the next step, so the
     # KL of the next step's single update is 0; without the sync it is not
@@ -37,6 +39,7 @@ def test_a_reference_moved_all_the_way_is_the_policy(tmp_path, backend):
     assert all(k > 1e-6 for k in kl_plain[1:]), kl_plain
 
 
+@pytest.mark.slow  # not a first path: the slow stage (README, Set-up)
 def test_a_resumed_run_keeps_the_moved_reference(tmp_path):
     args = ["--beta", "0.1", "--lr", "0.01", *SMALL, "--sync-ref-model", "--ref-model-sync-steps", "1"]
     args += ["--ref-model-mixup-alpha", "0.5", "--eval-every", "0"]

@@ -26,6 +26,7 @@ def test_two_ranks_reduce_and_gather():
     assert run_ranks(_sum_ranks, 2) == [(3.0, [0, 1]), (3.0, [0, 1])]
 
 
+@pytest.mark.slow  # not a first path: the slow stage (README, Set-up)
 def test_hang_is_a_failure():
     t0 = time.monotonic()
     with pytest.raises(TimeoutError):

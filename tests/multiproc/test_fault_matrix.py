@@ -53,7 +53,10 @@ def _torchrun(args: list[str], *, cwd: Path, timeout: float, log_dir: Path | Non
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+# the default layout in the README's command; TP=2 and ZeRO-3 (not first paths) in the slow stage
+@pytest.mark.parametrize(
+    "layout", [pytest.param(k, marks=[pytest.mark.slow] if k != "megatron-tp1-dp2" else []) for k in LAYOUTS]
+)
 def test_every_injected_fault_ends_both_ranks_named_or_is_counted(tmp_path, layout):
     out = tmp_path / "cases.jsonl"
     res = _torchrun([str(JOB), *LAYOUTS[layout], "--out", str(out)], cwd=ROOT, timeout=420)

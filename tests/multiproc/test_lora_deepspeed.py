@@ -122,7 +122,7 @@ def _job(rank, world_size, tiny_path, out, stage):
     return res
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [1, pytest.param(3, marks=pytest.mark.slow)])  # ZeRO-3: the slow stage
 def test_lora_trains_the_adapters_alone_with_the_base_as_reference(tmp_path, tiny_path, stage):
     results = run_ranks(_job, 2, str(tiny_path), str(tmp_path / "out"), stage, timeout=300)
     for r in results:

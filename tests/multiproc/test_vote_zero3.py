@@ -4,6 +4,8 @@ ranks with uneven turns finish only because of the vote (and the engine's lockst
 import pytest
 from support.dist import run_ranks
 
+pytestmark = pytest.mark.slow  # ZeRO-3 gathers every weight over gloo; not a first path: the slow stage
+
 pytest.importorskip("deepspeed", reason="DeepSpeed is an optional extra: pip install -e .[deepspeed]")
 
 

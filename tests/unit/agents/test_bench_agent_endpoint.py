@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
+@pytest.mark.slow  # not a first path: the slow stage (README, Set-up)
 def test_bench_agent_endpoint_smoke():
     # 3 agents x 2 calls x 3 tokens: each path samples 3 * 2 * 3 = 18 tokens in 2 engine calls
     # (one per round), whatever the random model samples, since no reply may stop early

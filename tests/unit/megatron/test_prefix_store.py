@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from interlens_mcore.megatron.kv_cache import KVCache, PrefixStore
@@ -73,6 +74,7 @@ def test_a_seeded_cache_row_continues_after_the_kept_tokens():
     assert exported[1][0].shape == (2, 5, 4) and exported[2][0].shape == (2, 5, 4)
 
 
+@pytest.mark.slow  # not a first path: the slow stage (README, Set-up)
 def test_bench_turns_megatron_samples_the_same_tokens_with_and_without_kept_prefixes():
     cmd = [
         sys.executable,
