@@ -145,6 +145,13 @@ def worktree(rev: str, where: Path) -> tuple[Path, str]:
         raise SystemExit(f"bench_seeds.py: --compare {rev}: not a commit of {ROOT}") from None
     subprocess.run(["git", "worktree", "add", "--detach", str(where), commit], cwd=ROOT, check=True,
                    capture_output=True)  # fmt: skip
+    # its runs must import its own packages, not the installed tree's
+    probe = "import interlens_mcore, trainers; print(interlens_mcore.__file__); print(trainers.__file__)"
+    env = dict(os.environ, PYTHONPATH=str(where))
+    found = subprocess.run([sys.executable, "-c", probe], cwd=where, env=env, capture_output=True, text=True)
+    if found.returncode != 0 or any(not Path(f).is_relative_to(where) for f in found.stdout.split()):
+        raise SystemExit(f"bench_seeds.py: --compare {rev}: its runs would not import its own packages "
+                         f"({found.stdout.strip() or found.stderr.strip()[-300:]})")  # fmt: skip
     return where, commit
 
 
