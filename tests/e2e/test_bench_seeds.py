@@ -47,6 +47,7 @@ def test_bad_options_are_refused_naming_them(capsys):
 @pytest.mark.slow  # four cold torchrun runs (the benchmark starts torchrun itself, as a user's runs start)
 def test_two_seeds_two_arms_of_a_real_job(tmp_path, capsys):
     job = ["--steps", "2", "--eval-every", "1", "--eval-size", "4", "--batch-size", "8"]
+    job += ["--num-generations", "4"]
     argv = ["--seeds", "2", "--vs", "--temperature 0.8", "--out-dir", str(tmp_path), "--json", "--", *job]
     rc = bs.main(argv)
     out = capsys.readouterr()
