@@ -71,6 +71,25 @@ def update(
 
     progress(done, total): called before each micro-batch's forward with gradient (local, for a
     progress display; `total` counts every update's micro-batches)."""
+    # every figure below is taken at the trained positions (the loss mask): a backend that can
+    # skip the others' output projection does so while the step runs
+    backend.trained_only = True  # type: ignore[attr-defined]
+    try:
+        return _update(backend, batches, rollout, loss_config, updates, loss_fn, dp_group, progress)
+    finally:
+        backend.trained_only = False  # type: ignore[attr-defined]
+
+
+def _update(
+    backend: Trainable,
+    batches: list[TrainingBatch | None],
+    rollout: Rollout,
+    loss_config: LossConfig,
+    updates: int,
+    loss_fn: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]],
+    dp_group: ProcessGroup | None,
+    progress: Callable[[int, int], None] | None,
+) -> UpdateResult:
     cfg = loss_config
     placeholder = placeholder_batch(rollout.trajectories, backend)
     bonus = cfg.entropy_coeff > 0

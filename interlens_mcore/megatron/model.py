@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -243,6 +244,7 @@ def forward_logits(
     cu_seqlens: torch.Tensor | None = None,
     *,
     compute_dtype: torch.dtype | None = None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """This rank's vocabulary shard of the logits; padded vocabulary entries are -inf.
 
@@ -251,14 +253,53 @@ def forward_logits(
 
     Packed: input_ids [1, T] with cu_seqlens [N + 1] -> [T, V_pad / tp] (positions restart
     per sequence). Unpacked: input_ids [B, T], causal, right padding only -> [B, T, V_pad / tp].
+    `rows` (packed only): positions of the row whose logits are wanted -> [len(rows), V_pad / tp];
+    the output layer then projects those positions alone (see `output_rows`).
     """
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
-    with compute_autocast(device.type, compute_dtype):
+    if rows is not None and cu_seqlens is None:
+        raise ValueError("forward_logits(rows=...) needs a packed batch (cu_seqlens)")
+    with compute_autocast(device.type, compute_dtype), output_rows(model, rows):
         logits = _forward(model, input_ids, cu_seqlens, device)
     if compute_dtype is not None:
         logits = logits.float()
     return mask_padded_vocab(logits, layout)
+
+
+@contextlib.contextmanager
+def output_rows(model: torch.nn.Module, rows: torch.Tensor | None) -> Iterator[None]:
+    """Within the block the model's output layer projects the hidden states at `rows` alone
+    (positions of a packed row); nothing changes when `rows` is None.
+
+    A loss over some positions (a reply's tokens) needs no logits elsewhere. With a large
+    vocabulary the output layer and the softmax over it are a large share of a small model's
+    forward and backward (SmolLM2: 28M of its 135M parameters), and a prompt's positions are
+    most of a row. The logits at the kept positions are those of the whole projection: the same
+    hidden states times the same weight.
+    """
+    if rows is None:
+        yield
+        return
+    layer = _bare(model).output_layer
+    assert isinstance(layer, torch.nn.Module), "a GPTModel's last stage has an output layer"
+    project = layer.forward
+
+    def forward(hidden: torch.Tensor, *args, **kwargs):  # hidden [T, 1, H]: sequence first
+        return project(hidden.index_select(0, rows.to(hidden.device)), *args, **kwargs)
+
+    layer.forward = forward
+    try:
+        yield
+    finally:
+        del layer.forward  # the class's own forward again
+
+
+def _bare(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel under wrappers that keep it as `.module` (torch's or megatron's DDP)."""
+    while not hasattr(model, "output_layer") and isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module  # type: ignore[assignment]
+    return model
 
 
 def compute_autocast(device_type: str, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:

@@ -781,7 +781,8 @@ def _reward(t: Trajectory) -> float:
 def micro_batches(
     rollout: Rollout, *, micro_batch_size: int, layout: Layout, pad_to_multiple: int, pad_id: int
 ) -> list[TrainingBatch | None]:
-    """Micro-batches of the kept trajectories; trajectories with no trained token are skipped.
+    """Micro-batches of the kept trajectories; trajectories with no trained token are skipped,
+    and each ends at its last trained token (`trained_prefix`).
 
     The number of micro-batches depends only on the config and the number of trajectories, so
     every DP rank makes the same number of forward/backward calls (None marks an empty one: the
@@ -794,6 +795,7 @@ def micro_batches(
         for t, a, k in zip(rollout.trajectories, rollout.advantages, rollout.keep, strict=True)
         if k and t.num_trained_tokens > 0
     ]
+    pairs = [(trained_prefix(t), a) for t, a in pairs]
     size = micro_batch_size or max(1, len(rollout.trajectories))
     count = math.ceil(len(rollout.trajectories) / size)
     chunks = [pairs[i * size : (i + 1) * size] for i in range(count)]
@@ -809,3 +811,18 @@ def micro_batches(
         else None
         for c in chunks
     ]
+
+
+def trained_prefix(t: Trajectory) -> Trajectory:
+    """`t` up to and including its last trained token.
+
+    What follows it (an environment's answer to the last reply, a closing message) is read by
+    no trained position under causal attention: it changes no logprob of the loss and would only
+    cost the forward and backward. The same object when nothing follows; a copy otherwise, with
+    the turn spans cut at the new end.
+    """
+    end = max((i for i, m in enumerate(t.loss_mask) if m), default=-1) + 1
+    if end in (0, len(t.token_ids)):
+        return t
+    turns = [dataclasses.replace(s, end=min(s.end, end)) for s in t.turns if s.start < end]
+    return dataclasses.replace(t, token_ids=t.token_ids[:end], loss_mask=t.loss_mask[:end], turns=turns)

@@ -148,6 +148,9 @@ class MegatronBackend:
         # the policy's entropy at each position of its last forward (the `entropy` metric), no grad
         self.token_entropy: torch.Tensor | None = None
         self.entropy_grad = False  # set by the step when an entropy bonus needs the gradient
+        # set by the step (trainers.update): logprobs and entropy at the trained positions only,
+        # 0 elsewhere (PP=1; the pipeline's stages compute every position)
+        self.trained_only = False
         self._frozen_engine: MegatronEngine | None = None  # a frozen opponent's: built on first use
         self.compute_dtype = compute_dtype  # autocast dtype of every forward (None: the weights')
         self.model_path = Path(model_path)  # an HF folder or a sharded megatron checkpoint
@@ -284,10 +287,17 @@ class MegatronBackend:
     ) -> torch.Tensor:
         if self.pp > 1:
             return self._pipeline_logprobs(model, batch, entropy=entropy)
-        logits = forward_logits(  # [T, V_pad / tp]
-            model, self.layout_info, batch.input_ids, batch.cu_seqlens, compute_dtype=self.compute_dtype
+        # the step's forwards need the trained positions only: the output layer projects those
+        rows = batch.loss_mask[0].nonzero().squeeze(1) if self.trained_only else None
+        logits = forward_logits(  # [T or len(rows), V_pad / tp]
+            model,
+            self.layout_info,
+            batch.input_ids,
+            batch.cu_seqlens,
+            compute_dtype=self.compute_dtype,
+            rows=rows,
         )
-        targets = batch.targets[0]  # [T]
+        targets = batch.targets[0] if rows is None else batch.targets[0][rows]
         t = self.temperature
         grad = self.entropy_grad and torch.is_grad_enabled()  # an entropy bonus differentiates it
         if self.groups.tp_size == 1:
@@ -305,6 +315,12 @@ class MegatronBackend:
             if entropy:  # exact under TP: from the shards, the same on every rank of the group
                 h = vocab_parallel_token_entropy(logits, temperature=t, group=self.groups.tp, grad=grad)
                 self.token_entropy = h[None]
+        if rows is not None:  # back to [T]: 0 where nothing is trained
+            size = batch.targets.shape[1]
+            lp = lp.new_zeros(size).index_put((rows,), lp)
+            if entropy and self.token_entropy is not None:
+                h = self.token_entropy[0]
+                self.token_entropy = h.new_zeros(size).index_put((rows,), h)[None]
         return lp[None]  # [1, T]
 
     def _pipeline_logprobs(
