@@ -29,7 +29,6 @@ lines; the others still run, and the exit code is 1.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shlex
@@ -93,11 +92,9 @@ def decide(baseline: dict, candidate: dict) -> dict:
 
 def read_run(folder: Path) -> dict:
     """A finished run's evaluations and step times from its metrics.jsonl."""
-    records = []
-    path = folder / "metrics.jsonl"
-    if path.is_file():
-        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    records = [r for r in records if not r.get("superseded")]
+    from trainers.report.reporter import METRICS_FILE, current, read_jsonl
+
+    records = current(read_jsonl(folder / METRICS_FILE))
     evals = [
         {"step": r["step"], "success": r["eval/success_rate"], "n": r.get("eval/success_n")}
         for r in records
